@@ -1,0 +1,65 @@
+"""Wire messages: round trips, and malformed input rejected with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsa_bridge.transfer import protocol
+from dsa_bridge.transfer.protocol import ProtocolError
+
+SAMPLES = [
+    protocol.Hello(protocol.PROTOCOL_VERSION, "d", "mooncake", {"page_size": 64}, "abc",
+                   b"127.0.0.1:15001", [protocol.BufferInfo(3, "kv", 4096, 8192, 4096)]),
+    protocol.HelloAck(1, False, "layout mismatch", "p", {}, ""),
+    protocol.RequestPages(7, [1, 2, 9], 130),
+    protocol.ChunkDone(7, 0, ok=True, last=True, nbytes=10, descriptors=2),
+    protocol.Abort(7, "client went away"),
+    protocol.Heartbeat(1.5),
+]
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(message):
+    assert protocol.decode(protocol.encode(message)) == message
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
+def test_every_truncation_is_rejected(message):
+    data = protocol.encode(message)
+    for cut in range(len(data)):
+        with pytest.raises(ProtocolError):
+            protocol.decode(data[:cut])
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\xc1", b"\x80", b'{"type": "request"}',
+    protocol.encode(protocol.Abort(1, "x")).replace(b"abort", b"zzzzz"),
+])
+def test_malformed_rejected(data):
+    with pytest.raises(ProtocolError, match="bad message"):
+        protocol.decode(data)
+
+
+def test_wrong_field_types_rejected():
+    import msgspec
+
+    data = msgspec.msgpack.encode({"type": "request", "room": "7", "dst_pages": [1],
+                                   "num_tokens": 3})
+    with pytest.raises(ProtocolError, match="room"):
+        protocol.decode(data)
+
+
+def test_oversized_rejected():
+    with pytest.raises(ProtocolError, match="exceeds"):
+        protocol.decode(b"\x00" * (protocol.MAX_MESSAGE_BYTES + 1))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_never_escape_as_other_errors(data):
+    try:
+        protocol.decode(data)
+    except ProtocolError:
+        pass

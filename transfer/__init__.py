@@ -1,0 +1,1 @@
+"""dsa_bridge.transfer — the wire side."""

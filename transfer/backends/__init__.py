@@ -1,0 +1,190 @@
+"""Transfer engine backends: the factory, and the checks every backend runs before its engine.
+
+``create_backend("mooncake" | "nixl", host=..., **options)`` builds one backend. The engine
+packages are imported only inside the backend constructors, so importing this package (or the
+backend modules) never loads Mooncake or NIXL.
+
+The checks live here because both engines share them: regions are refused when zero-length, null,
+duplicate or overlapping, and write arrays when ragged, empty, zero-length, null or overlapping in
+the destination — always before a single call into an engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+
+from .base import BackendError, BackendUnavailable, MemoryRegion, TransferBackend
+
+BACKENDS = ("mooncake", "nixl")
+
+_DEVICE = re.compile(r"^(?:cpu|cuda:(\d+))$")
+_ENV_LOCK = threading.Lock()
+
+
+def create_backend(name: str, *, host: str = "127.0.0.1", **options: object) -> TransferBackend:
+    """Build the backend ``name`` (one of ``BACKENDS``); ``options`` go to its constructor."""
+    if name == "mooncake":
+        from .mooncake import MooncakeBackend
+
+        return MooncakeBackend(host=host, **options)
+    if name == "nixl":
+        from .nixl import NixlBackend
+
+        return NixlBackend(host=host, **options)
+    raise BackendUnavailable(
+        name, "create", f"unknown backend; choose one of {', '.join(BACKENDS)}"
+    )
+
+
+def device_index(backend: str, region: MemoryRegion) -> int | None:
+    """``None`` for "cpu", N for "cuda:N"; any other device string is refused."""
+    match = _DEVICE.match(region.device)
+    if match is None:
+        raise BackendError(backend, "register", f"{region}: device must be 'cpu' or 'cuda:N'")
+    return None if match.group(1) is None else int(match.group(1))
+
+
+@contextlib.contextmanager
+def env_defaults(defaults: dict[str, str]) -> Iterator[dict[str, str]]:
+    """Set the variables the user has not set, for the duration of an engine's start-up only.
+
+    Engines read their environment when they start; restoring it afterwards keeps one backend's
+    defaults (e.g. ``UCX_NET_DEVICES=lo`` for a loopback host) from leaking into the next one.
+    Yields the effective value of every variable in ``defaults``.
+    """
+    with _ENV_LOCK:
+        added = [key for key in defaults if key not in os.environ]
+        for key in added:
+            os.environ[key] = defaults[key]
+        try:
+            yield {key: os.environ[key] for key in defaults}
+        finally:
+            for key in added:
+                os.environ.pop(key, None)
+
+
+def check_timeout(backend: str, peer: str, timeout_s: float) -> float:
+    """A write's timeout must be a positive, finite number of seconds."""
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise BackendError(backend, "write", f"timeout_s must be > 0, got {timeout_s!r}", peer=peer)
+    return float(timeout_s)
+
+
+def check_write_args(
+    backend: str, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validate the three descriptor arrays of a write and return them as uint64.
+
+    Refused: non-1-D or non-(u)int64 arrays, unequal lengths, an empty write, a negative value,
+    a zero length, a null address, a range that wraps around, or two destination ranges that
+    overlap (the result would depend on the order the engine happens to write them in).
+    """
+
+    def fail(detail: str) -> BackendError:
+        return BackendError(backend, "write", detail, peer=peer)
+
+    arrays = []
+    for label, array in (("src", src), ("dst", dst), ("length", length)):
+        if not isinstance(array, np.ndarray) or array.ndim != 1:
+            raise fail(f"{label} must be a 1-D numpy array")
+        if array.dtype not in (np.uint64, np.int64):
+            raise fail(f"{label} must be uint64 or int64, got {array.dtype}")
+        if array.dtype == np.int64 and array.size and int(array.min()) < 0:
+            raise fail(f"{label}[{int(np.argmax(array < 0))}] is negative")
+        arrays.append(array.astype(np.uint64, copy=False))
+    src, dst, length = arrays
+    if not len(src) == len(dst) == len(length):
+        raise fail(f"src, dst and length differ in size ({len(src)}, {len(dst)}, {len(length)})")
+    if len(src) == 0:
+        raise fail("no descriptors")
+    for label, array in (("length", length), ("src", src), ("dst", dst)):
+        if not array.all():
+            raise fail(f"{label}[{int(np.argmin(array != 0))}] is 0")
+    for label, array in (("src", src), ("dst", dst)):
+        wrapped = array + length < array
+        if wrapped.any():
+            raise fail(f"{label}[{int(np.argmax(wrapped))}] + length wraps around")
+    order = np.argsort(dst, kind="stable")
+    clash = (dst[order] + length[order])[:-1] > dst[order][1:]
+    if clash.any():
+        i, j = order[int(np.argmax(clash))], order[int(np.argmax(clash)) + 1]
+        raise fail(f"destination ranges {int(i)} and {int(j)} overlap")
+    return src, dst, length
+
+
+class RegionTable:
+    """Registered regions that may not overlap, kept sorted by address for vectorised lookup."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.regions: dict[int, MemoryRegion] = {}
+        self._starts = np.zeros(0, dtype=np.uint64)
+        self._ends = np.zeros(0, dtype=np.uint64)
+        self.on_cuda = np.zeros(0, dtype=bool)
+        self.device_ids = np.zeros(0, dtype=np.uint64)
+
+    def check_new(self, regions: list[MemoryRegion]) -> None:
+        """Refuse zero-length, null, duplicate or overlapping regions, naming the first offender."""
+        if not regions:
+            raise BackendError(self.backend, "register", "no regions given")
+        accepted = list(self.regions.values())
+        registered = len(accepted)
+        for region in regions:
+            device_index(self.backend, region)
+            if region.ptr <= 0:
+                raise BackendError(self.backend, "register", f"{region}: null pointer")
+            if region.nbytes <= 0:
+                raise BackendError(self.backend, "register", f"{region}: zero length")
+            if region.ptr + region.nbytes > 2**64:
+                raise BackendError(self.backend, "register", f"{region}: wraps around")
+            for i, other in enumerate(accepted):
+                if region.ptr < other.ptr + other.nbytes and other.ptr < region.ptr + region.nbytes:
+                    same = (region.ptr, region.nbytes) == (other.ptr, other.nbytes)
+                    where = "registered" if i < registered else "given"
+                    what = "duplicates" if same else "overlaps"
+                    raise BackendError(
+                        self.backend, "register", f"{region}: {what} {where} {other}"
+                    )
+            accepted.append(region)
+
+    def add(self, region: MemoryRegion) -> None:
+        self.regions[region.ptr] = region
+        self._rebuild()
+
+    def remove(self, region: MemoryRegion) -> None:
+        del self.regions[region.ptr]
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        ordered = sorted(self.regions.values(), key=lambda region: region.ptr)
+        devices = [device_index(self.backend, region) for region in ordered]
+        self._starts = np.array([r.ptr for r in ordered], dtype=np.uint64)
+        self._ends = np.array([r.ptr + r.nbytes for r in ordered], dtype=np.uint64)
+        self.on_cuda = np.array([d is not None for d in devices], dtype=bool)
+        self.device_ids = np.array([d or 0 for d in devices], dtype=np.uint64)
+
+    def locate(
+        self, label: str, addr: np.ndarray, length: np.ndarray, *, peer: str = ""
+    ) -> np.ndarray:
+        """The sorted slot of the region holding each range; a range outside all is an error."""
+        slot = np.searchsorted(self._starts, addr, side="right").astype(np.int64) - 1
+        inside = slot >= 0
+        inside[inside] = addr[inside] + length[inside] <= self._ends[slot[inside]]
+        if not inside.all():
+            i = int(np.argmin(inside))
+            owner = "the peer announced" if label == "dst" else "registered here"
+            raise BackendError(
+                self.backend,
+                "write",
+                f"{label}[{i}] = {int(addr[i]):#x} + {int(length[i])} lies outside every region "
+                f"{owner}",
+                peer=peer,
+            )
+        return slot

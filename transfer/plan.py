@@ -1,0 +1,177 @@
+"""Pure transfer planning: page ids -> coalesced, bounds-checked (src, dst, length) writes.
+
+No I/O and no engine here. The node pairs its buffers with the peer's by global layer id
+(``pair_buffers``), then for each chunk of a request turns the paired page ids into one write
+per run of consecutive pages, per layer, per cache (``plan_writes``). Every page id is checked
+against the registered regions of both sides before a single address is produced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+CACHE_KINDS = ("kv", "index")
+PADDING_PAGE = 0
+
+
+class PlanError(ValueError):
+    """A request or a buffer pairing that must not reach the engine."""
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One registered buffer of one side: a (layer, cache kind) region addressed by page."""
+
+    layer_id: int
+    kind: str
+    ptr: int
+    nbytes: int
+    item_len: int
+
+    @property
+    def num_items(self) -> int:
+        return self.nbytes // self.item_len
+
+
+@dataclass(frozen=True)
+class BufferPair:
+    """A local (source) buffer and the peer's (destination) buffer of the same layer and kind."""
+
+    src: Buffer
+    dst: Buffer
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """Flat arrays ready for ``TransferBackend.write``; ``runs`` counts page runs per buffer."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+    runs: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    @property
+    def descriptors(self) -> int:
+        return len(self.length)
+
+
+def state_page_ids(kv_page_ids: np.ndarray) -> np.ndarray:
+    """Indexer ("state") page ids of a request: in the uniform pool page p of the KV buffer is
+    row p of the indexer buffer, so they are the KV page ids. The one place both sides ask."""
+    return kv_page_ids
+
+
+def _order(key: tuple[int, str]) -> tuple[int, int]:
+    """Sort (layer id, kind) by layer, then KV before indexer."""
+    layer_id, kind = key
+    return layer_id, CACHE_KINDS.index(kind) if kind in CACHE_KINDS else len(CACHE_KINDS)
+
+
+def pair_buffers(local: Sequence[Buffer], remote: Sequence[Buffer]) -> list[BufferPair]:
+    """Pair buffers by (global layer id, kind), never by position; item lengths must be equal."""
+    by_key = {(b.layer_id, b.kind): b for b in remote}
+    if len(by_key) != len(remote):
+        raise PlanError("peer announced the same (layer, cache) twice")
+    local_keys = {(b.layer_id, b.kind) for b in local}
+    if len(local_keys) != len(local):
+        raise PlanError("local buffers list the same (layer, cache) twice")
+    missing = sorted(local_keys - by_key.keys(), key=_order)
+    extra = sorted(by_key.keys() - local_keys, key=_order)
+    if missing:
+        layer, kind = missing[0]
+        raise PlanError(f"peer has no {kind} buffer for layer {layer}")
+    if extra:
+        layer, kind = extra[0]
+        raise PlanError(f"peer has a {kind} buffer for layer {layer} that this side lacks")
+    pairs = []
+    for src in sorted(local, key=lambda b: _order((b.layer_id, b.kind))):
+        dst = by_key[(src.layer_id, src.kind)]
+        for side, buf in (("local", src), ("peer", dst)):
+            if buf.ptr <= 0 or buf.nbytes <= 0 or buf.item_len <= 0:
+                raise PlanError(
+                    f"{side} {buf.kind} buffer of layer {buf.layer_id} is empty or null "
+                    f"(ptr={buf.ptr:#x}, nbytes={buf.nbytes}, item_len={buf.item_len})"
+                )
+        if src.item_len != dst.item_len:
+            raise PlanError(
+                f"{src.kind} item_len of layer {src.layer_id}: local {src.item_len} != peer {dst.item_len}"
+            )
+        pairs.append(BufferPair(src, dst))
+    return pairs
+
+
+def as_page_ids(pages: object, name: str) -> np.ndarray:
+    """A 1-D int64 array of page ids, or PlanError naming the argument."""
+    arr = np.asarray(pages)
+    if arr.ndim != 1:
+        raise PlanError(f"{name} must be a 1-D sequence of page ids, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise PlanError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def check_pages(pages: np.ndarray, limit: int, name: str) -> None:
+    """Every page id in [1, limit) and none twice: page 0 is padding and never transferred, and
+    two writes into one page would leave it holding whichever landed last."""
+    if pages.size == 0:
+        raise PlanError(f"{name} is empty")
+    low, high = int(pages.min()), int(pages.max())
+    if low <= PADDING_PAGE:
+        raise PlanError(f"{name} contains page {low}: page 0 is padding and ids must be >= 1")
+    if high >= limit:
+        raise PlanError(f"{name} contains page {high}, beyond the registered {limit} pages")
+    if np.unique(pages).size != pages.size:
+        raise PlanError(f"{name} lists a page more than once")
+
+
+def check_destination(pairs: Sequence[BufferPair], dst_pages: object) -> np.ndarray:
+    """Decode's page ids for a request, checked against every buffer it announced."""
+    dst = as_page_ids(dst_pages, "dst_pages")
+    check_pages(dst, min(p.dst.num_items for p in pairs), "dst_pages")
+    return dst
+
+
+def coalesce_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split paired page ids into maximal runs where both sides step by +1.
+
+    Returns (src_start, dst_start, run_len)."""
+    if src.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    lengths = np.diff(np.concatenate((starts, [src.size])))
+    return src[starts], dst[starts], lengths
+
+
+def plan_writes(pairs: Sequence[BufferPair], src_pages: object, dst_pages: object) -> WritePlan:
+    """One write per run of consecutive pages, for every paired buffer (all layers, both caches).
+
+    Raises PlanError, before producing any address, when the page lists differ in length, hold
+    page 0, a page beyond either side's smallest registered buffer, or a repeated page."""
+    src = as_page_ids(src_pages, "src_pages")
+    dst = as_page_ids(dst_pages, "dst_pages")
+    if src.size != dst.size:
+        raise PlanError(f"src_pages has {src.size} pages but dst_pages has {dst.size}")
+    if not pairs:
+        raise PlanError("no buffers to transfer")
+    check_pages(src, min(p.src.num_items for p in pairs), "src_pages")
+    check_pages(dst, min(p.dst.num_items for p in pairs), "dst_pages")
+
+    src_start, dst_start, run_len = coalesce_runs(src, dst)
+    src_ptr = np.array([p.src.ptr for p in pairs], dtype=np.int64)[:, None]
+    dst_ptr = np.array([p.dst.ptr for p in pairs], dtype=np.int64)[:, None]
+    item_len = np.array([p.src.item_len for p in pairs], dtype=np.int64)[:, None]
+    return WritePlan(
+        src=(src_ptr + src_start[None, :] * item_len).ravel().astype(np.uint64),
+        dst=(dst_ptr + dst_start[None, :] * item_len).ravel().astype(np.uint64),
+        length=(run_len[None, :] * item_len).ravel().astype(np.uint64),
+        runs=int(run_len.size),
+    )

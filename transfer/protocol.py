@@ -1,0 +1,98 @@
+"""Wire messages of the control plane: typed, versioned, msgpack-encoded tagged unions.
+
+Decode connects to prefill and opens with ``Hello`` (its layout, the layout hash, its engine
+metadata and the buffers it registered); prefill answers ``HelloAck``. Then per request decode
+sends ``RequestPages`` and prefill answers with one ``ChunkDone`` per chunk it wrote. Either side
+may send ``Abort``; both send ``Heartbeat``. Data never travels here, only page ids and states.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# 1: first version (layout + buffers handshake, per-chunk completion, abort, heartbeat).
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be decoded or that breaks the protocol."""
+
+
+class BufferInfo(msgspec.Struct, frozen=True, array_like=True):
+    layer_id: int
+    kind: str
+    ptr: int
+    nbytes: int
+    item_len: int
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    version: int
+    node: str
+    backend: str
+    layout: dict
+    layout_hash: str
+    engine_metadata: bytes
+    buffers: list[BufferInfo]
+    auth: bytes = b""
+
+
+class HelloAck(msgspec.Struct, frozen=True, tag="hello_ack"):
+    version: int
+    ok: bool
+    reason: str
+    node: str
+    layout: dict
+    layout_hash: str
+
+
+class RequestPages(msgspec.Struct, frozen=True, tag="request"):
+    """Decode has allocated ``dst_pages`` for ``room``; prefill writes the request there."""
+
+    room: int
+    dst_pages: list[int]
+    num_tokens: int
+
+
+class ChunkDone(msgspec.Struct, frozen=True, tag="chunk_done"):
+    """Prefill finished (ok) or gave up on (not ok) a chunk; ``in_flight`` says whether a write
+    into decode's pages may still land (engine failure or timeout) so decode must not reuse them yet."""
+
+    room: int
+    chunk: int
+    ok: bool
+    last: bool
+    reason: str = ""
+    nbytes: int = 0
+    descriptors: int = 0
+    in_flight: bool = False
+
+
+class Abort(msgspec.Struct, frozen=True, tag="abort"):
+    room: int
+    reason: str
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
+    sent_at: float
+
+
+Message = Hello | HelloAck | RequestPages | ChunkDone | Abort | Heartbeat
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    """Decode one message; any malformed, truncated or oversized input raises ProtocolError."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"bad message: {exc}") from exc

@@ -1,0 +1,295 @@
+"""Prefill and decode node logic, in one process over an in-process memmove engine.
+
+These drive the request state machine, the handshake checks and every bad-request path fast;
+the same paths run over real engines in real processes in tests/integration."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dsa_bridge.transfer import protocol
+from dsa_bridge.transfer.decode import DecodeNode
+from dsa_bridge.transfer.handshake import HandshakeError
+from dsa_bridge.transfer.prefill import PrefillNode
+from dsa_bridge.transfer.request import KVPoll
+from dsa_bridge.transfer.roles import count_mismatches, fill_request, sentinel_intact
+
+from .fake_backend import FakeBackend
+from .helpers import SMALL_CONFIG, make_pool, wait_for
+
+
+@pytest.fixture
+def nodes():
+    """A prefill and a decode node over the fake engine; closed by the test's teardown."""
+    made = []
+
+    def build(prefill_pool=None, decode_pool=None, *, fail_every=0, **decode_kw):
+        prefill = PrefillNode(prefill_pool or make_pool(), FakeBackend(fail_every=fail_every),
+                              peer_timeout_s=1.0, heartbeat_s=0.1)
+        made.append(prefill)
+        decode = DecodeNode(decode_pool or make_pool(size=64 * 24, sentinel=True), FakeBackend(),
+                            prefill.endpoint, peer_timeout_s=1.0, heartbeat_s=0.1, **decode_kw)
+        made.append(decode)
+        return prefill, decode
+
+    yield build
+    for node in reversed(made):
+        node.close()
+
+
+def transfer(prefill, decode, room, src_pages, dst_pages, chunks=1):
+    fill_request(prefill.pool, room, np.asarray(src_pages))
+    receiver = decode.receiver(room)
+    receiver.init(dst_pages, num_tokens=len(dst_pages) * 64)
+    sender = prefill.sender(room)
+    sender.init(len(src_pages))
+    for chunk in np.array_split(np.asarray(src_pages), chunks):
+        sender.send(chunk)
+    wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), what="request end")
+    return sender, receiver
+
+
+def test_every_byte_of_every_layer_arrives(nodes):
+    prefill, decode = nodes()
+    src, dst = [9, 3, 4, 5, 17], [2, 11, 12, 13, 1]
+    sender, receiver = transfer(prefill, decode, 1, src, dst)
+    assert receiver.poll() == KVPoll.Success, receiver.failure_exception()
+    wait_for(lambda: sender.poll() == KVPoll.Success)
+    assert count_mismatches(decode.pool, 1, np.array(dst)) == 0
+    untouched = np.setdiff1d(np.arange(1, decode.pool.num_kv_pages), dst)
+    assert sentinel_intact(decode.pool, untouched)
+    layout = decode.pool.layout
+    assert receiver.nbytes == 5 * (layout.kv_page_bytes + layout.index_page_bytes) * 4
+    runs = 3  # 9 | 3,4,5 -> 11,12,13 | 17
+    assert receiver.descriptors == runs * layout.num_layers * 2
+    assert prefill.counters.snapshot()["bytes"] == receiver.nbytes
+    assert receiver.can_release()
+
+
+def test_chunked_send_and_sender_created_after_decode_request(nodes):
+    prefill, decode = nodes()
+    dst = list(range(1, 21))
+    receiver = decode.receiver(5)
+    receiver.init(dst)
+    item = wait_for(lambda: not prefill.incoming.empty() and prefill.incoming.get())
+    assert (item.room, item.num_pages) == (5, 20)
+    src = np.arange(30, 10, -1)
+    fill_request(prefill.pool, 5, src)
+    sender = prefill.sender(5)
+    assert sender.poll() == KVPoll.WaitingForInput
+    sender.init(20)
+    for chunk in np.array_split(src, 4):
+        sender.send(chunk)
+    wait_for(lambda: receiver.poll() == KVPoll.Success)
+    assert receiver.chunks == 4
+    assert count_mismatches(decode.pool, 5, np.array(dst)) == 0
+
+
+def test_concurrent_requests(nodes):
+    prefill, decode = nodes()
+    receivers = []
+    for room in range(6):
+        src = np.arange(1 + room * 5, 6 + room * 5)[::-1].copy()
+        dst = np.arange(1 + room * 3, 4 + room * 3)
+        fill_request(prefill.pool, room, src[:3])
+        receiver = decode.receiver(room)
+        receiver.init(dst)
+        sender = prefill.sender(room)
+        sender.init(3)
+        sender.send(src[:3])
+        receivers.append((receiver, dst))
+    for receiver, dst in receivers:
+        wait_for(lambda r=receiver: r.poll() == KVPoll.Success)
+        assert count_mismatches(decode.pool, receiver.room, dst) == 0
+
+
+MISMATCHES = [
+    ("layer count", dict(config={**SMALL_CONFIG, "num_hidden_layers": 5}), "layer_ids"),
+    ("layer ids", dict(start_layer=1, end_layer=4), "layer_ids"),
+    ("page size", dict(page_size=32), "page_size"),
+    ("kv dtype / item_len", dict(kv_dtype="bf16"), "kv_dtype|kv_row_bytes|kv_page_bytes"),
+    ("indexer geometry", dict(config={**SMALL_CONFIG, "index_head_dim": 256}), "index"),
+    ("kv lora rank", dict(config={**SMALL_CONFIG, "kv_lora_rank": 256}), "kv_lora_rank|kv_row"),
+]
+
+
+@pytest.mark.parametrize("label, change, field", MISMATCHES, ids=[m[0] for m in MISMATCHES])
+def test_handshake_mismatch_is_refused_naming_the_field(label, change, field):
+    config = change.pop("config", None)
+    decode_pool = make_pool(config, size=64 * 8, sentinel=True, **change)
+    prefill_engine = FakeBackend()
+    with PrefillNode(make_pool(), prefill_engine) as prefill:
+        with pytest.raises(HandshakeError, match=f"layout mismatch: ({field})"):
+            DecodeNode(decode_pool, FakeBackend(), prefill.endpoint)
+        wait_for(lambda: prefill.counters.snapshot()["handshakes_refused"] == 1)
+        assert prefill.refusals and "layout mismatch" in prefill.refusals[0]
+        assert prefill_engine.writes == 0
+    assert sentinel_intact(decode_pool, np.arange(1, decode_pool.num_kv_pages))
+
+
+def test_protocol_version_mismatch(monkeypatch):
+    with PrefillNode(make_pool(), FakeBackend()) as prefill:
+        monkeypatch.setattr(protocol, "PROTOCOL_VERSION", 99)
+        with pytest.raises(HandshakeError, match="protocol version: peer 99 != local 1"):
+            DecodeNode(make_pool(), FakeBackend(), prefill.endpoint)
+
+
+def test_backend_mismatch():
+    other = FakeBackend()
+    other.name = "nixl"
+    with PrefillNode(make_pool(), FakeBackend()) as prefill:
+        with pytest.raises(HandshakeError, match="backend: peer 'nixl' != local 'mooncake'"):
+            DecodeNode(make_pool(), other, prefill.endpoint)
+
+
+def test_no_prefill_listening_times_out():
+    with pytest.raises(HandshakeError, match="did not answer within 1s"):
+        DecodeNode(make_pool(), FakeBackend(), "127.0.0.1:9", handshake_timeout_s=1.0)
+
+
+@pytest.mark.parametrize("pages, message", [
+    ([0, 1], "page 0 is padding"),
+    ([1, 25], "beyond the registered 25 pages"),
+    ([2, 2], "more than once"),
+    ([], "is empty"),
+])
+def test_decode_refuses_bad_pages_locally(nodes, pages, message):
+    _, decode = nodes()
+    with pytest.raises(ValueError, match=message):
+        decode.receiver(1).init(pages)
+
+
+def raw_request(decode, room, pages):
+    """Bypass the receiver's own checks, as a misbehaving decode node would."""
+    receiver = decode.receiver(room)
+    receiver.page_ids = np.asarray(pages)
+    receiver.state.advance(KVPoll.WaitingForInput)
+    decode._loop.send(decode.peers[0].socket, protocol.RequestPages(room, pages, 64))
+    return receiver
+
+
+@pytest.mark.parametrize("pages, message", [
+    ([0, 1], "page 0 is padding"),
+    ([1, 999], "beyond the registered 25 pages"),
+    ([3, 3], "more than once"),
+])
+def test_prefill_checks_decode_pages_against_its_announced_buffers(nodes, pages, message):
+    prefill, decode = nodes()
+    receiver = raw_request(decode, 1, pages)
+    wait_for(lambda: receiver.poll() == KVPoll.Failed)
+    assert message in str(receiver.failure_exception())
+    assert prefill.backend.writes == 0
+    sender, good = transfer(prefill, decode, 2, [4], [4])  # the nodes keep serving
+    assert good.poll() == KVPoll.Success
+
+
+def test_page_count_mismatch_fails_both_sides(nodes):
+    prefill, decode = nodes()
+    receiver = decode.receiver(1)
+    receiver.init([1, 2, 3])
+    sender = prefill.sender(1)
+    sender.init(4)
+    wait_for(lambda: receiver.poll() == KVPoll.Failed)
+    assert "page count mismatch" in str(receiver.failure_exception())
+    assert sender.poll() == KVPoll.Failed
+    assert prefill.backend.writes == 0
+
+
+def test_chunk_beyond_the_request_fails(nodes):
+    prefill, decode = nodes()
+    receiver = decode.receiver(1)
+    receiver.init([1, 2])
+    sender = prefill.sender(1)
+    sender.init(2)
+    sender.send([5, 6, 7])
+    wait_for(lambda: receiver.poll() == KVPoll.Failed)
+    assert "does not fit" in str(receiver.failure_exception())
+
+
+def test_duplicate_room(nodes):
+    prefill, decode = nodes()
+    decode.receiver(1)
+    with pytest.raises(ValueError, match="room 1 already has a receiver"):
+        decode.receiver(1)
+    prefill.sender(9)
+    with pytest.raises(ValueError, match="room 9 already has a sender"):
+        prefill.sender(9)
+
+
+def test_duplicate_room_from_the_wire_is_refused_and_the_first_survives(nodes):
+    prefill, decode = nodes()
+    first = decode.receiver(1)
+    first.init([1, 2])
+    wait_for(lambda: not prefill.incoming.empty())
+    decode._loop.send(decode.peers[0].socket, protocol.RequestPages(1, [3, 4], 64))
+    wait_for(lambda: first.poll() == KVPoll.Failed or prefill.counters.bad_messages >= 0)
+    fill_request(prefill.pool, 1, np.array([7, 8]))
+    sender = prefill.sender(1)
+    sender.init(2)
+    sender.send([7, 8])
+    # the refusal of the duplicate reaches decode as a failure of room 1 at most once, and the
+    # prefill never wrote into the duplicate's pages
+    wait_for(lambda: first.poll() in (KVPoll.Success, KVPoll.Failed))
+    assert sentinel_intact(decode.pool, np.array([3, 4]))
+
+
+def test_unknown_room_report_is_dropped_and_counted(nodes):
+    prefill, decode = nodes()
+    peer = next(iter(prefill._peers.values()))
+    prefill._loop.send(prefill._socket, protocol.ChunkDone(12345, 0, ok=True, last=True),
+                       peer.identity)
+    wait_for(lambda: decode._loop.bad_messages == 1)
+    assert "unknown room 12345" in decode._loop.last_error
+
+
+def test_engine_failure_fails_the_request_and_holds_its_pages(nodes):
+    prefill, decode = nodes(fail_every=1, in_flight_grace_s=30.0)
+    sender, receiver = transfer(prefill, decode, 1, [1, 2], [1, 2])
+    assert receiver.poll() == KVPoll.Failed
+    assert "engine write failed" in str(receiver.failure_exception())
+    assert not receiver.can_release()  # a failed write may still land: pages held
+    assert prefill.counters.snapshot()["engine_failures"] == 1
+    ok_sender, ok_receiver = transfer(prefill, decode, 2, [3], [3])  # fails too: every write
+    assert ok_receiver.poll() == KVPoll.Failed
+
+
+def test_decode_abort_is_confirmed_before_pages_are_released(nodes):
+    prefill, decode = nodes(in_flight_grace_s=30.0)
+    receiver = decode.receiver(1)
+    receiver.init([1, 2])
+    wait_for(lambda: not prefill.incoming.empty())
+    receiver.abort("client went away")
+    assert receiver.poll() == KVPoll.Failed
+    wait_for(receiver.can_release, what="prefill's confirmation")
+    sender = prefill.sender(1)
+    assert sender.poll() in (KVPoll.Bootstrapping, KVPoll.WaitingForInput)
+
+
+def test_prefill_abort_reaches_decode(nodes):
+    prefill, decode = nodes()
+    receiver = decode.receiver(1)
+    receiver.init([1, 2])
+    sender = prefill.sender(1)
+    wait_for(lambda: sender.poll() == KVPoll.WaitingForInput)
+    sender.abort("prefill OOM")
+    wait_for(lambda: receiver.poll() == KVPoll.Failed)
+    assert "prefill OOM" in str(receiver.failure_exception())
+    assert receiver.can_release()
+
+
+def test_dead_prefill_fails_waiting_requests_within_the_peer_timeout(nodes):
+    prefill, decode = nodes()
+    receiver = decode.receiver(1)
+    receiver.init([1, 2])
+    prefill.close()
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, timeout_s=5.0)
+    assert "unreachable" in str(receiver.failure_exception())
+
+
+def test_request_deadline(nodes):
+    prefill, decode = nodes(request_timeout_s=0.3)
+    receiver = decode.receiver(1)
+    receiver.init([1])
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, timeout_s=5.0)
+    assert "timed out" in str(receiver.failure_exception())

@@ -1,0 +1,278 @@
+"""The decode side: handshakes with prefill nodes and receives requests into its pool.
+
+``DecodeNode`` registers its pool, connects to one or more prefill control endpoints and
+handshakes with each (layout, hash and buffers; a mismatch raises HandshakeError before anything
+else happens). A ``KVReceiver`` per request sends the pages decode allocated and follows the
+request to Success, or to Failed with a reason: a prefill failure, an abort, a missed deadline,
+or a prefill that stopped answering. Pages of a failed request are held back until no write
+into them can still land.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from dsa_bridge.transfer import protocol
+from dsa_bridge.transfer.backends.base import MemoryRegion, TransferBackend
+from dsa_bridge.transfer.control import ControlLoop, parse_endpoint, zmq_address
+from dsa_bridge.transfer.counters import Counters
+from dsa_bridge.transfer.handshake import (
+    HandshakeError,
+    buffer_infos,
+    check_peer,
+    pool_buffers,
+)
+from dsa_bridge.transfer.plan import PlanError, as_page_ids, check_pages
+from dsa_bridge.transfer.request import TERMINAL, KVPoll, RequestState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillPeer:
+    endpoint: str
+    node: str
+    socket: zmq.Socket
+    last_seen: float
+    alive: bool = True
+
+
+class KVReceiver:
+    """One request on the decode side (SGLang's BaseKVReceiver semantics)."""
+
+    def __init__(self, node: DecodeNode, room: int, peer: PrefillPeer, timeout_s: float):
+        self.node = node
+        self.room = room
+        self.peer = peer
+        self.state = RequestState(room, timeout_s)
+        self.page_ids: np.ndarray | None = None
+        self.chunks = 0
+        self.nbytes = 0
+        self.descriptors = 0
+
+    def init(self, page_ids, num_tokens: int = 0) -> None:
+        """Send the pages decode allocated for this request to prefill."""
+        self.node._init_receiver(self, page_ids, num_tokens)
+
+    def poll(self) -> KVPoll:
+        return self.state.status
+
+    def abort(self, reason: str = "aborted by decode") -> None:
+        self.node._abort(self, reason)
+
+    def failure_exception(self) -> Exception | None:
+        return self.state.failure_exception()
+
+    def can_release(self) -> bool:
+        """True once the request's pages may go back to the allocator (invariant 8)."""
+        return self.state.can_release()
+
+
+class DecodeNode:
+    """Receives requests from prefill nodes into one pool through one engine backend."""
+
+    def __init__(self, pool, backend: TransferBackend, prefill: str | list[str], *,
+                 name: str | None = None, handshake_timeout_s: float = 10.0,
+                 request_timeout_s: float = 60.0, peer_timeout_s: float = 5.0,
+                 heartbeat_s: float = 0.5, in_flight_grace_s: float = 35.0):
+        self.pool = pool
+        self.layout = pool.layout
+        self.backend = backend
+        self.name = name or f"decode-{os.getpid()}"
+        self.request_timeout_s = request_timeout_s
+        self.peer_timeout_s = peer_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.in_flight_grace_s = in_flight_grace_s
+        self.counters = Counters()
+        self._lock = threading.RLock()
+        self._receivers: dict[int, KVReceiver] = {}
+        self._next_heartbeat = 0.0
+        self._context = zmq.Context()
+        self._loop = ControlLoop(self.name, self._on_message, self._on_tick)
+        self._closed = False
+        self.buffers = pool_buffers(pool)
+        self._page_limit = min(b.num_items for b in self.buffers)
+        backend.register([MemoryRegion(d.ptr, d.nbytes, d.device) for d in pool.buffer_descriptors()])
+        endpoints = [prefill] if isinstance(prefill, str) else list(prefill)
+        try:
+            self.peers = [self._handshake(e, handshake_timeout_s) for e in endpoints]
+        except BaseException:
+            self._context.destroy(0)
+            backend.close()
+            raise
+        for peer in self.peers:
+            self._loop.add_socket(peer.socket)
+        self._loop.start()
+
+    # ---- application API -------------------------------------------------------------------
+
+    def receiver(self, room: int, prefill: str | None = None) -> KVReceiver:
+        peer = self.peers[0] if prefill is None else self._peer(prefill)
+        with self._lock:
+            if room in self._receivers:
+                raise ValueError(f"room {room} already has a receiver")
+            receiver = KVReceiver(self, room, peer, self.request_timeout_s)
+            self._receivers[room] = receiver
+        return receiver
+
+    def forget(self, receiver: KVReceiver) -> None:
+        """Drop a finished request whose pages went back to the allocator."""
+        if not receiver.can_release():
+            raise RuntimeError(f"room {receiver.room}: pages may still be written")
+        with self._lock:
+            self._receivers.pop(receiver.room, None)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.stop()
+        self._context.destroy(0)
+        self.backend.close()
+
+    def __enter__(self) -> DecodeNode:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- handshake (constructor thread, before the loop starts) ----------------------------
+
+    def _handshake(self, endpoint: str, timeout_s: float) -> PrefillPeer:
+        host, port = parse_endpoint(endpoint, "prefill")
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(zmq_address(host, port))
+        sock.send(protocol.encode(protocol.Hello(
+            protocol.PROTOCOL_VERSION, self.name, self.backend.name, self.layout.to_dict(),
+            self.layout.layout_hash(), self.backend.metadata(), buffer_infos(self.buffers))))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0 or not sock.poll(remaining_ms):
+                sock.close(0)
+                raise HandshakeError(f"prefill {endpoint} did not answer within {timeout_s:.0f}s")
+            try:
+                ack = protocol.decode(sock.recv())
+            except protocol.ProtocolError as exc:
+                sock.close(0)
+                raise HandshakeError(f"prefill {endpoint}: {exc}") from exc
+            if isinstance(ack, protocol.HelloAck):
+                break
+        try:
+            if not ack.ok:
+                raise HandshakeError(f"prefill {endpoint} refused the handshake: {ack.reason}")
+            check_peer(self.layout, self.backend.name, version=ack.version,
+                       peer_backend=self.backend.name, peer_layout=ack.layout,
+                       peer_hash=ack.layout_hash)
+        except HandshakeError:
+            sock.close(0)
+            raise
+        self.counters.add(handshakes_ok=1)
+        return PrefillPeer(endpoint, ack.node, sock, time.monotonic())
+
+    def _peer(self, endpoint: str) -> PrefillPeer:
+        for peer in self.peers:
+            if peer.endpoint == endpoint:
+                return peer
+        raise ValueError(f"not connected to prefill {endpoint}")
+
+    # ---- receiver operations (application thread) ------------------------------------------
+
+    def _init_receiver(self, receiver: KVReceiver, page_ids, num_tokens: int) -> None:
+        if receiver.page_ids is not None:
+            raise ValueError(f"room {receiver.room}: init called twice")
+        try:
+            pages = as_page_ids(page_ids, "page_ids")
+            check_pages(pages, self._page_limit, "page_ids")
+        except PlanError as exc:
+            raise ValueError(str(exc)) from None
+        receiver.page_ids = pages
+        with self._lock:
+            if not receiver.peer.alive:
+                receiver.state.fail(f"prefill {receiver.peer.endpoint} unreachable")
+                return
+            receiver.state.advance(KVPoll.WaitingForInput)
+        self._loop.send(receiver.peer.socket, protocol.RequestPages(
+            receiver.room, pages.tolist(), int(num_tokens)))
+
+    def _abort(self, receiver: KVReceiver, reason: str) -> None:
+        with self._lock:
+            if self._fail(receiver, reason, release_after_s=None):
+                if receiver.page_ids is None:
+                    receiver.state.allow_release()
+                else:  # held until prefill confirms, or the grace period ends
+                    receiver.state.allow_release(self.in_flight_grace_s)
+                    self._loop.send(receiver.peer.socket, protocol.Abort(receiver.room, reason))
+
+    def _fail(self, receiver: KVReceiver, reason: str, *,
+              release_after_s: float | None = 0.0) -> bool:
+        if receiver.state.fail(reason, release_after_s=release_after_s):
+            self.counters.add(requests_failed=1)
+            log.warning("%s: room %d failed: %s", self.name, receiver.room, reason)
+            return True
+        return False
+
+    # ---- control plane (loop thread) -------------------------------------------------------
+
+    def _on_message(self, sock: zmq.Socket, identity: bytes, message) -> None:
+        with self._lock:
+            peer = next((p for p in self.peers if p.socket is sock), None)
+            if peer is None:
+                return
+            peer.last_seen = time.monotonic()
+            if isinstance(message, protocol.ChunkDone):
+                self._on_chunk(peer, message)
+            elif not isinstance(message, protocol.Heartbeat | protocol.HelloAck):
+                raise protocol.ProtocolError(f"unexpected {type(message).__name__} from prefill")
+
+    def _on_chunk(self, peer: PrefillPeer, done: protocol.ChunkDone) -> None:
+        receiver = self._receivers.get(done.room)
+        if receiver is None or receiver.peer is not peer:
+            raise protocol.ProtocolError(f"chunk report for unknown room {done.room}")
+        if not done.ok:
+            grace = self.in_flight_grace_s if done.in_flight else 0.0
+            self._fail(receiver, f"prefill: {done.reason}", release_after_s=grace)
+            receiver.state.allow_release(grace)  # an abort we sent is now confirmed
+            return
+        if receiver.state.status in TERMINAL:
+            return
+        receiver.chunks += 1
+        receiver.nbytes += done.nbytes
+        receiver.descriptors += done.descriptors
+        self.counters.add(chunks=1, bytes=done.nbytes, descriptors=done.descriptors)
+        receiver.state.advance(KVPoll.Transferring)
+        if done.last and receiver.state.advance(KVPoll.Success):
+            self.counters.add(requests_ok=1)
+
+    def _on_tick(self, now: float) -> None:
+        self.backend.progress()
+        with self._lock:
+            for peer in self.peers:
+                if peer.alive and now - peer.last_seen > self.peer_timeout_s:
+                    peer.alive = False
+                    log.warning("%s: prefill %s silent for %.1fs", self.name, peer.endpoint,
+                                now - peer.last_seen)
+            for receiver in self._receivers.values():
+                if receiver.state.status in TERMINAL:
+                    continue
+                if not receiver.peer.alive:
+                    # a dead engine writes nothing more; a short grace covers bytes already
+                    # queued in our own engine
+                    self._fail(receiver, f"prefill {receiver.peer.endpoint} unreachable "
+                                         f"(no heartbeat for {self.peer_timeout_s:.1f}s)",
+                               release_after_s=1.0)
+                elif now > receiver.state.deadline:
+                    self._abort(receiver, f"timed out after {self.request_timeout_s:.0f}s")
+            if now >= self._next_heartbeat:
+                self._next_heartbeat = now + self.heartbeat_s
+                for peer in self.peers:
+                    self._loop.send(peer.socket, protocol.Heartbeat(time.time()))
+        self.counters.bad_messages = self._loop.bad_messages

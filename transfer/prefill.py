@@ -1,0 +1,404 @@
+"""The prefill side: accepts decode nodes, and writes each request's pages into them.
+
+``PrefillNode`` listens on a control endpoint, validates every decode node's handshake, and
+pairs its buffers with the ones that node announced. A ``KVSender`` per request (room) takes the
+prefill's page ids, in one or more chunks; once decode has sent its page ids for the room, a
+worker thread plans each chunk (every layer, both caches, coalesced and bounds-checked) and writes
+it through the engine, then reports the chunk to decode. Rooms that decode announced but that
+have no sender yet are offered to the application on ``incoming``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from dsa_bridge.transfer import protocol
+from dsa_bridge.transfer.backends.base import BackendError, MemoryRegion, TransferBackend
+from dsa_bridge.transfer.control import ControlLoop, parse_endpoint, zmq_address
+from dsa_bridge.transfer.counters import Counters
+from dsa_bridge.transfer.handshake import HandshakeError, check_peer, pair_with_peer, pool_buffers
+from dsa_bridge.transfer.plan import (
+    BufferPair,
+    PlanError,
+    as_page_ids,
+    check_destination,
+    plan_writes,
+)
+from dsa_bridge.transfer.request import TERMINAL, KVPoll, RequestState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodePeer:
+    identity: bytes
+    node: str
+    engine_peer: str
+    pairs: list[BufferPair]
+    last_seen: float
+    rooms: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class IncomingRoom:
+    """A room decode has allocated pages for, waiting for the application's sender."""
+
+    room: int
+    num_pages: int
+    num_tokens: int
+    peer: str
+
+
+@dataclass
+class _Room:
+    peer: DecodePeer
+    dst_pages: np.ndarray
+    num_tokens: int
+    received_at: float
+
+
+class KVSender:
+    """One request on the prefill side (SGLang's BaseKVSender semantics)."""
+
+    def __init__(self, node: PrefillNode, room: int, timeout_s: float):
+        self.node = node
+        self.room = room
+        self.state = RequestState(room, timeout_s)
+        self.num_pages: int | None = None
+        self.pages_sent = 0
+        self.chunks_sent = 0
+        self.pending: list[tuple[int, np.ndarray, bool]] = []
+        self.busy = 0  # chunks queued for or inside the worker
+        self.reported = False
+
+    def init(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.node._init_sender(self, num_pages)
+
+    def send(self, page_ids) -> None:
+        """Queue a chunk of this request's prefill page ids; the chunk that completes
+        ``num_pages`` is the last one."""
+        self.node._send_chunk(self, as_page_ids(page_ids, "page_ids"))
+
+    def poll(self) -> KVPoll:
+        return self.state.status
+
+    def abort(self, reason: str = "aborted by prefill") -> None:
+        self.node._fail(self, reason)
+
+    def failure_exception(self) -> Exception | None:
+        return self.state.failure_exception()
+
+    def can_release(self) -> bool:
+        """True once no write reading this request's pages can still be running."""
+        return self.state.status in TERMINAL and self.busy == 0
+
+
+class PrefillNode:
+    """Serves decode nodes from one pool through one engine backend."""
+
+    def __init__(self, pool, backend: TransferBackend, *, listen: str = "127.0.0.1:0",
+                 name: str = "prefill", request_timeout_s: float = 60.0,
+                 peer_timeout_s: float = 5.0, heartbeat_s: float = 0.5,
+                 write_timeout_s: float = 30.0):
+        self.pool = pool
+        self.layout = pool.layout
+        self.backend = backend
+        self.name = name
+        self.request_timeout_s = request_timeout_s
+        self.peer_timeout_s = peer_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.write_timeout_s = write_timeout_s
+        self.counters = Counters()
+        self.refusals: list[str] = []
+        self.incoming: queue.SimpleQueue[IncomingRoom] = queue.SimpleQueue()
+        self.buffers = pool_buffers(pool)
+        self.backend.register([MemoryRegion(d.ptr, d.nbytes, d.device) for d in pool.buffer_descriptors()])
+
+        self._lock = threading.RLock()
+        self._peers: dict[bytes, DecodePeer] = {}
+        self._rooms: dict[int, _Room] = {}
+        self._senders: dict[int, KVSender] = {}
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._next_heartbeat = 0.0
+
+        host, port = parse_endpoint(listen, "listen")
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        if port == 0:
+            port = self._socket.bind_to_random_port(zmq_address(host, "*").rsplit(":", 1)[0])
+        else:
+            self._socket.bind(zmq_address(host, port))
+        self.endpoint = f"{host}:{port}"
+        self._loop = ControlLoop(name, self._on_message, self._on_tick)
+        self._loop.add_socket(self._socket)
+        self._worker = threading.Thread(target=self._work, name=f"{name}-writer", daemon=True)
+        self._closed = False
+        self._loop.start()
+        self._worker.start()
+        log.info("%s listening on %s (backend %s, transport %s)", name, self.endpoint,
+                 backend.name, backend.transport())
+
+    # ---- application API -------------------------------------------------------------------
+
+    def sender(self, room: int) -> KVSender:
+        with self._lock:
+            if room in self._senders:
+                raise ValueError(f"room {room} already has a sender")
+            sender = KVSender(self, room, self.request_timeout_s)
+            self._senders[room] = sender
+            if room in self._rooms:
+                sender.state.advance(KVPoll.WaitingForInput)
+            return sender
+
+    def peers(self) -> list[str]:
+        with self._lock:
+            return [p.node for p in self._peers.values()]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._worker.join(self.write_timeout_s + 5)
+        self._loop.stop()
+        self._socket.close(0)
+        self._context.term()
+        self.backend.close()
+
+    def __enter__(self) -> PrefillNode:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- sender operations (application thread) --------------------------------------------
+
+    def _init_sender(self, sender: KVSender, num_pages: int) -> None:
+        with self._lock:
+            if sender.num_pages is not None:
+                raise ValueError(f"room {sender.room}: init called twice")
+            sender.num_pages = num_pages
+            room = self._rooms.get(sender.room)
+            if room is not None and len(room.dst_pages) != num_pages:
+                self._fail(sender, f"page count mismatch: prefill has {num_pages} pages, "
+                                   f"decode allocated {len(room.dst_pages)}")
+
+    def _send_chunk(self, sender: KVSender, pages: np.ndarray) -> None:
+        with self._lock:
+            if sender.state.status in TERMINAL:
+                return
+            if sender.num_pages is None:
+                raise ValueError(f"room {sender.room}: send before init")
+            if pages.size == 0 or sender.pages_sent + pages.size > sender.num_pages:
+                self._fail(sender, f"chunk of {pages.size} pages after {sender.pages_sent} "
+                                   f"does not fit the request's {sender.num_pages} pages")
+                return
+            offset = sender.pages_sent
+            sender.pages_sent += pages.size
+            sender.pending.append((offset, pages, sender.pages_sent == sender.num_pages))
+            self._dispatch(sender)
+
+    def _dispatch(self, sender: KVSender) -> None:
+        """Hand queued chunks to the worker once decode's pages are known."""
+        room = self._rooms.get(sender.room)
+        if room is None or not sender.pending:
+            return
+        sender.state.advance(KVPoll.Transferring)
+        for offset, pages, last in sender.pending:
+            sender.busy += 1
+            self._jobs.put((sender, room, offset, pages, last))
+        sender.pending.clear()
+
+    def _fail(self, sender: KVSender, reason: str, *, in_flight: bool = False) -> None:
+        with self._lock:
+            if sender.state.fail(reason):
+                self.counters.add(requests_failed=1)
+                log.warning("%s: room %d failed: %s", self.name, sender.room, reason)
+            self._report_failure(sender, in_flight=in_flight)
+
+    def _report_failure(self, sender: KVSender, *, in_flight: bool) -> None:
+        """Tell decode once, when no write of ours into its pages is still running."""
+        room = self._rooms.get(sender.room)
+        if sender.reported or sender.busy or room is None:
+            return
+        sender.reported = True
+        self._loop.send(self._socket, protocol.ChunkDone(
+            sender.room, sender.chunks_sent, ok=False, last=True,
+            reason=sender.state.reason, in_flight=in_flight), room.peer.identity)
+
+    # ---- the worker: plans and writes chunks -----------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            sender, room, offset, pages, last = job
+            in_flight = False
+            try:
+                if sender.state.status == KVPoll.Failed:
+                    continue
+                dst = room.dst_pages[offset:offset + pages.size]
+                plan = plan_writes(room.peer.pairs, pages, dst)
+                self.backend.write(room.peer.engine_peer, plan.src, plan.dst, plan.length,
+                                   timeout_s=self.write_timeout_s)
+            except PlanError as exc:
+                self._fail(sender, f"bad pages: {exc}")
+                continue
+            except BackendError as exc:
+                self.counters.add(engine_failures=1)
+                in_flight = True
+                self._fail(sender, f"engine write failed: {exc}", in_flight=True)
+                continue
+            finally:
+                with self._lock:
+                    sender.busy -= 1
+                    if sender.state.status == KVPoll.Failed:
+                        self._report_failure(sender, in_flight=in_flight)
+            self._chunk_written(sender, room, plan, last)
+
+    def _chunk_written(self, sender: KVSender, room: _Room, plan, last: bool) -> None:
+        with self._lock:
+            self.counters.add(chunks=1, bytes=plan.nbytes, descriptors=plan.descriptors)
+            sender.chunks_sent += 1
+            if sender.state.status == KVPoll.Failed:  # aborted while writing: already reported
+                return
+            self._loop.send(self._socket, protocol.ChunkDone(
+                sender.room, sender.chunks_sent - 1, ok=True, last=last, nbytes=plan.nbytes,
+                descriptors=plan.descriptors), room.peer.identity)
+            if last and sender.state.advance(KVPoll.Success):
+                self.counters.add(requests_ok=1)
+
+    # ---- control plane (loop thread) -------------------------------------------------------
+
+    def _on_message(self, sock: zmq.Socket, identity: bytes, message) -> None:
+        if isinstance(message, protocol.Hello):
+            self._on_hello(identity, message)
+            return
+        with self._lock:
+            peer = self._peers.get(identity)
+            if peer is None:
+                raise protocol.ProtocolError(f"{type(message).__name__} before a handshake")
+            peer.last_seen = time.monotonic()
+            if isinstance(message, protocol.RequestPages):
+                self._on_request(peer, message)
+            elif isinstance(message, protocol.Abort):
+                self._on_abort(peer, message)
+            elif not isinstance(message, protocol.Heartbeat):
+                raise protocol.ProtocolError(f"unexpected {type(message).__name__} from decode")
+
+    def _on_hello(self, identity: bytes, hello: protocol.Hello) -> None:
+        try:
+            layout = check_peer(self.layout, self.backend.name, version=hello.version,
+                                peer_backend=hello.backend, peer_layout=hello.layout,
+                                peer_hash=hello.layout_hash)
+            pairs = pair_with_peer(layout, self.buffers, hello.buffers)
+            engine_peer = self.backend.connect(hello.engine_metadata)
+        except (HandshakeError, BackendError) as exc:
+            self.counters.add(handshakes_refused=1)
+            self.refusals.append(f"{hello.node}: {exc}")
+            log.warning("%s: refused %s: %s", self.name, hello.node, exc)
+            self._loop.send(self._socket, self._ack(False, str(exc)), identity)
+            return
+        with self._lock:
+            old = self._peers.pop(identity, None)
+            if old is not None:  # a re-handshake replaces the old layout and its rooms
+                self._drop_peer(old, "decode re-handshaked")
+            self._peers[identity] = DecodePeer(identity, hello.node, engine_peer, pairs,
+                                               time.monotonic())
+        self.counters.add(handshakes_ok=1)
+        log.info("%s: paired with %s (%d buffers)", self.name, hello.node, len(pairs))
+        self._loop.send(self._socket, self._ack(True, ""), identity)
+
+    def _ack(self, ok: bool, reason: str) -> protocol.HelloAck:
+        return protocol.HelloAck(protocol.PROTOCOL_VERSION, ok, reason, self.name,
+                                 self.layout.to_dict(), self.layout.layout_hash())
+
+    def _refuse_request(self, peer: DecodePeer, room: int, reason: str) -> None:
+        log.warning("%s: refused room %d from %s: %s", self.name, room, peer.node, reason)
+        self._loop.send(self._socket, protocol.ChunkDone(room, 0, ok=False, last=True,
+                                                         reason=reason), peer.identity)
+
+    def _on_request(self, peer: DecodePeer, request: protocol.RequestPages) -> None:
+        if request.room in self._rooms:
+            self._refuse_request(peer, request.room, f"duplicate room {request.room}")
+            return
+        try:
+            dst = check_destination(peer.pairs, request.dst_pages)
+        except PlanError as exc:
+            self._refuse_request(peer, request.room, f"bad pages: {exc}")
+            return
+        self._rooms[request.room] = _Room(peer, dst, request.num_tokens, time.monotonic())
+        peer.rooms.add(request.room)
+        sender = self._senders.get(request.room)
+        if sender is None:
+            self.incoming.put(IncomingRoom(request.room, dst.size, request.num_tokens, peer.node))
+            return
+        if sender.state.status == KVPoll.Failed:  # failed before decode's pages arrived
+            self._report_failure(sender, in_flight=False)
+            return
+        sender.state.advance(KVPoll.WaitingForInput)
+        if sender.num_pages is not None and sender.num_pages != dst.size:
+            self._fail(sender, f"page count mismatch: prefill has {sender.num_pages} pages, "
+                               f"decode allocated {dst.size}")
+            return
+        self._dispatch(sender)
+
+    def _on_abort(self, peer: DecodePeer, abort: protocol.Abort) -> None:
+        sender = self._senders.get(abort.room)
+        if sender is None:
+            self._rooms.pop(abort.room, None)
+            peer.rooms.discard(abort.room)
+            self._refuse_request(peer, abort.room, f"aborted by decode: {abort.reason}")
+            return
+        self._fail(sender, f"aborted by decode: {abort.reason}")
+
+    def _forget(self, room_id: int) -> None:
+        """Drop a finished room; the application keeps its sender object and its state."""
+        self._senders.pop(room_id, None)
+        room = self._rooms.pop(room_id, None)
+        if room is not None:
+            room.peer.rooms.discard(room_id)
+
+    def _drop_peer(self, peer: DecodePeer, reason: str) -> None:
+        for room in list(peer.rooms):
+            sender = self._senders.get(room)
+            if sender is not None and sender.state.fail(reason):
+                self.counters.add(requests_failed=1)
+            self._rooms.pop(room, None)
+
+    def _on_tick(self, now: float) -> None:
+        self.backend.progress()
+        with self._lock:
+            for identity, peer in list(self._peers.items()):
+                if now - peer.last_seen > self.peer_timeout_s:
+                    log.warning("%s: decode %s silent for %.1fs: dropping it", self.name,
+                                peer.node, now - peer.last_seen)
+                    del self._peers[identity]
+                    self._drop_peer(peer, f"decode {peer.node} unreachable")
+            for sender in list(self._senders.values()):
+                if sender.state.status not in TERMINAL and now > sender.state.deadline:
+                    self._fail(sender, f"timed out after {self.request_timeout_s:.0f}s")
+                if sender.can_release() and (sender.reported or sender.room not in self._rooms
+                                             or sender.state.status == KVPoll.Success):
+                    self._forget(sender.room)
+            for room_id, room in list(self._rooms.items()):
+                if room_id not in self._senders and now - room.received_at > self.request_timeout_s:
+                    del self._rooms[room_id]
+                    room.peer.rooms.discard(room_id)
+                    self._refuse_request(room.peer, room_id, "no prefill request for this room")
+            if now >= self._next_heartbeat:
+                self._next_heartbeat = now + self.heartbeat_s
+                for peer in self._peers.values():
+                    self._loop.send(self._socket, protocol.Heartbeat(time.time()), peer.identity)
+        self.counters.bad_messages = self._loop.bad_messages

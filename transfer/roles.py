@@ -1,0 +1,213 @@
+"""The two long-lived node roles the launcher runs, with a stand-in for the model.
+
+``serve_prefill`` answers every room a decode node announces as if it had just computed it: it
+allocates fragmented pages, fills every layer of both caches with the deterministic pattern of
+``pattern.py`` and sends them in chunks. ``drive_decode`` issues requests of varied lengths,
+keeps several in flight, and checks every received byte of every layer against the same pattern,
+and that pages no request owns still hold the sentinel.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dsa_bridge.transfer.allocator import PageAllocator
+from dsa_bridge.transfer.decode import DecodeNode, KVReceiver
+from dsa_bridge.transfer.pattern import SENTINEL, expected_pages
+from dsa_bridge.transfer.prefill import IncomingRoom, PrefillNode
+from dsa_bridge.transfer.request import KVPoll
+
+log = logging.getLogger(__name__)
+
+KINDS = ("kv", "index")
+
+
+def page_views(pool) -> list[tuple[int, str, torch.Tensor]]:
+    """(layer id, kind, (pages, item_len) uint8 view) for every buffer of the pool."""
+    return [(layer, kind, pool.page_view(layer, kind))
+            for layer in pool.layout.layer_ids for kind in KINDS]
+
+
+def fill_request(pool, room: int, pages: np.ndarray) -> None:
+    index = torch.from_numpy(pages)
+    order = np.arange(pages.size)
+    for layer, kind, view in page_views(pool):
+        view[index] = expected_pages(room, layer, kind, order, view.shape[1])
+
+
+def count_mismatches(pool, room: int, pages: np.ndarray) -> int:
+    """Bytes of the request's pages that differ from the pattern, over all layers and caches."""
+    index = torch.from_numpy(pages)
+    order = np.arange(pages.size)
+    bad = 0
+    for layer, kind, view in page_views(pool):
+        got = view[index]
+        want = expected_pages(room, layer, kind, order, view.shape[1])
+        if not torch.equal(got, want):
+            bad += int((got != want).sum())
+    return bad
+
+
+def reset_pages(pool, pages: np.ndarray) -> None:
+    index = torch.from_numpy(pages)
+    for _, _, view in page_views(pool):
+        view[index] = SENTINEL
+
+
+def sentinel_intact(pool, pages: np.ndarray) -> bool:
+    """True when every byte of ``pages`` (all layers, both caches) still holds the sentinel."""
+    if pages.size == 0:
+        return True
+    index = torch.from_numpy(pages)
+    return all(bool((view[index] == SENTINEL).all()) for _, _, view in page_views(pool))
+
+
+def request_bytes(pool, num_pages: int) -> int:
+    layout = pool.layout
+    return num_pages * (layout.kv_page_bytes + layout.index_page_bytes) * layout.num_layers
+
+
+def chunks_of(pages: np.ndarray, chunk_pages: int) -> list[np.ndarray]:
+    return [pages[i:i + chunk_pages] for i in range(0, pages.size, chunk_pages)]
+
+
+def serve_prefill(node: PrefillNode, stop: threading.Event, *, chunk_pages: int = 64,
+                  seed: int = 1) -> None:
+    """Answer announced rooms until ``stop`` is set."""
+    allocator = PageAllocator(node.pool.num_kv_pages, seed=seed)
+    waiting: collections.deque[IncomingRoom] = collections.deque()
+    active = []
+    while not stop.is_set():
+        try:
+            waiting.append(node.incoming.get(timeout=0.005))
+        except queue.Empty:
+            pass
+        while waiting:
+            room = waiting[0]
+            sender = None
+            if room.num_pages > allocator.capacity:
+                waiting.popleft()
+                sender = node.sender(room.room)
+                sender.abort(f"request needs {room.num_pages} pages; the prefill pool has "
+                             f"{allocator.capacity}")
+                continue
+            pages = allocator.alloc(room.num_pages)
+            if pages is None:
+                break
+            waiting.popleft()
+            fill_request(node.pool, room.room, pages)
+            sender = node.sender(room.room)
+            sender.init(pages.size)
+            for chunk in chunks_of(pages, chunk_pages):
+                sender.send(chunk)
+            active.append((sender, pages))
+        still = []
+        for sender, pages in active:
+            if sender.can_release():
+                allocator.free(pages)
+            else:
+                still.append((sender, pages))
+        active = still
+
+
+@dataclass
+class DecodeReport:
+    requests: int
+    requests_ok: int = 0
+    requests_failed: int = 0
+    bytes_verified: int = 0
+    bytes_mismatched: int = 0
+    failures: list[str] = field(default_factory=list)
+    sentinel_intact: bool = True
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_verified / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def ok(self) -> bool:
+        return (self.requests_ok == self.requests and self.bytes_mismatched == 0
+                and self.sentinel_intact)
+
+
+def request_lengths(count: int, page_size: int, max_tokens: int, seed: int) -> list[int]:
+    """Varied prompt lengths: a few one-page prompts, mostly hundreds to thousands of tokens, a
+    few long ones; capped at ``max_tokens``."""
+    rng = np.random.default_rng(seed)
+    lengths = np.exp(rng.uniform(np.log(16), np.log(max(max_tokens, 32)), size=count))
+    lengths = np.clip(lengths.astype(np.int64), 1, max_tokens)
+    lengths[: min(count, 2)] = [1, page_size][: min(count, 2)]
+    return [int(x) for x in rng.permutation(lengths)]
+
+
+def drive_decode(node: DecodeNode, lengths: list[int], *, concurrency: int = 4, seed: int = 2,
+                 room_base: int = 0, deadline_s: float = 600.0, progress: bool = True) -> DecodeReport:
+    """Run every request through the node, verify every byte, and report."""
+    pool = node.pool
+    allocator = PageAllocator(pool.num_kv_pages, seed=seed)
+    report = DecodeReport(requests=len(lengths))
+    pending = collections.deque(enumerate(lengths))
+    active: dict[int, tuple[KVReceiver, np.ndarray]] = {}
+    held: list[tuple[KVReceiver, np.ndarray]] = []
+    start = time.monotonic()
+    next_progress = start + 1.0
+    while (pending or active or held) and time.monotonic() - start < deadline_s:
+        while pending and len(active) < concurrency:
+            index, tokens = pending[0]
+            pages = allocator.alloc(math.ceil(tokens / pool.page_size))
+            if pages is None:
+                break
+            pending.popleft()
+            receiver = node.receiver(room_base + index)
+            receiver.init(pages, tokens)
+            active[receiver.room] = (receiver, pages)
+        for room, (receiver, pages) in list(active.items()):
+            status = receiver.poll()
+            if status == KVPoll.Success:
+                bad = count_mismatches(pool, room, pages)
+                report.bytes_mismatched += bad
+                report.bytes_verified += request_bytes(pool, pages.size)
+                report.requests_ok += bad == 0
+                report.requests_failed += bad != 0
+                if bad:
+                    report.failures.append(f"room {room}: {bad} bytes differ")
+            elif status == KVPoll.Failed:
+                report.requests_failed += 1
+                report.failures.append(str(receiver.failure_exception()))
+            else:
+                continue
+            del active[room]
+            held.append((receiver, pages))
+        for receiver, pages in [h for h in held if h[0].can_release()]:
+            reset_pages(pool, pages)
+            allocator.free(pages)
+            node.forget(receiver)
+            held.remove((receiver, pages))
+        now = time.monotonic()
+        if progress and now >= next_progress:
+            next_progress = now + 1.0
+            print(f"[decode] {report.requests_ok}/{report.requests} ok, {report.requests_failed} "
+                  f"failed, {report.bytes_verified / 1e9:.2f} GB verified", file=sys.stderr,
+                  flush=True)
+        time.sleep(0.001)
+    report.seconds = time.monotonic() - start
+    for room, (receiver, _) in active.items():
+        receiver.abort("decode run deadline passed")
+        report.requests_failed += 1
+        report.failures.append(f"room {room}: no result within {deadline_s:.0f}s")
+    if pending:
+        report.requests_failed += len(pending)
+        report.failures.append(f"{len(pending)} requests never started within {deadline_s:.0f}s")
+    report.sentinel_intact = sentinel_intact(pool, allocator.free_list())
+    return report

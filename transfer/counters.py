@@ -17,13 +17,14 @@ class Counters:
     handshakes_ok: int = 0
     handshakes_refused: int = 0
     bad_messages: int = 0
+    write_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, **deltas: int) -> None:
+    def add(self, **deltas: float) -> None:
         with self._lock:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, float]:
         with self._lock:
             return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}

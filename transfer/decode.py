@@ -56,6 +56,8 @@ class KVReceiver:
         self.chunks = 0
         self.nbytes = 0
         self.descriptors = 0
+        self.write_seconds = 0.0
+        self.started_at: float | None = None
 
     def init(self, page_ids, num_tokens: int = 0) -> None:
         """Send the pages decode allocated for this request to prefill."""
@@ -195,6 +197,7 @@ class DecodeNode:
         except PlanError as exc:
             raise ValueError(str(exc)) from None
         receiver.page_ids = pages
+        receiver.started_at = time.monotonic()
         with self._lock:
             if not receiver.peer.alive:
                 receiver.state.fail(f"prefill {receiver.peer.endpoint} unreachable")
@@ -247,7 +250,9 @@ class DecodeNode:
         receiver.chunks += 1
         receiver.nbytes += done.nbytes
         receiver.descriptors += done.descriptors
-        self.counters.add(chunks=1, bytes=done.nbytes, descriptors=done.descriptors)
+        receiver.write_seconds += done.write_seconds
+        self.counters.add(chunks=1, bytes=done.nbytes, descriptors=done.descriptors,
+                          write_seconds=done.write_seconds)
         receiver.state.advance(KVPoll.Transferring)
         if done.last and receiver.state.advance(KVPoll.Success):
             self.counters.add(requests_ok=1)

@@ -250,8 +250,10 @@ class PrefillNode:
                     continue
                 dst = room.dst_pages[offset:offset + pages.size]
                 plan = plan_writes(room.peer.pairs, pages, dst)
+                started = time.perf_counter()
                 self.backend.write(room.peer.engine_peer, plan.src, plan.dst, plan.length,
                                    timeout_s=self.write_timeout_s)
+                seconds = time.perf_counter() - started
             except PlanError as exc:
                 self._fail(sender, f"bad pages: {exc}")
                 continue
@@ -265,17 +267,19 @@ class PrefillNode:
                     sender.busy -= 1
                     if sender.state.status == KVPoll.Failed:
                         self._report_failure(sender, in_flight=in_flight)
-            self._chunk_written(sender, room, plan, last)
+            self._chunk_written(sender, room, plan, last, seconds)
 
-    def _chunk_written(self, sender: KVSender, room: _Room, plan, last: bool) -> None:
+    def _chunk_written(self, sender: KVSender, room: _Room, plan, last: bool,
+                       seconds: float) -> None:
         with self._lock:
-            self.counters.add(chunks=1, bytes=plan.nbytes, descriptors=plan.descriptors)
+            self.counters.add(chunks=1, bytes=plan.nbytes, descriptors=plan.descriptors,
+                              write_seconds=seconds)
             sender.chunks_sent += 1
             if sender.state.status == KVPoll.Failed:  # aborted while writing: already reported
                 return
             self._loop.send(self._socket, protocol.ChunkDone(
                 sender.room, sender.chunks_sent - 1, ok=True, last=last, nbytes=plan.nbytes,
-                descriptors=plan.descriptors), room.peer.identity)
+                descriptors=plan.descriptors, write_seconds=seconds), room.peer.identity)
             if last and sender.state.advance(KVPoll.Success):
                 self.counters.add(requests_ok=1)
 

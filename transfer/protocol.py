@@ -66,6 +66,7 @@ class ChunkDone(msgspec.Struct, frozen=True, tag="chunk_done"):
     reason: str = ""
     nbytes: int = 0
     descriptors: int = 0
+    write_seconds: float = 0.0
     in_flight: bool = False
 
 

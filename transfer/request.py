@@ -35,6 +35,7 @@ class RequestState:
         self._status = KVPoll.Bootstrapping
         self._reason = ""
         self._release_at: float | None = None
+        self.finished_at: float | None = None
         self._lock = threading.Lock()
 
     @property
@@ -52,7 +53,7 @@ class RequestState:
                 return False
             self._status = status
             if status == KVPoll.Success:
-                self._release_at = time.monotonic()
+                self._release_at = self.finished_at = time.monotonic()
             return True
 
     def fail(self, reason: str, *, release_after_s: float | None = 0.0) -> bool:
@@ -63,6 +64,7 @@ class RequestState:
                 return False
             self._status = KVPoll.Failed
             self._reason = reason
+            self.finished_at = time.monotonic()
             if release_after_s is not None:
                 self._release_at = time.monotonic() + release_after_s
             return True

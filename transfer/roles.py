@@ -42,7 +42,7 @@ def fill_request(pool, room: int, pages: np.ndarray) -> None:
     index = torch.from_numpy(pages)
     order = np.arange(pages.size)
     for layer, kind, view in page_views(pool):
-        view[index] = expected_pages(room, layer, kind, order, view.shape[1])
+        view.index_copy_(0, index, expected_pages(room, layer, kind, order, view.shape[1]))
 
 
 def count_mismatches(pool, room: int, pages: np.ndarray) -> int:
@@ -51,7 +51,7 @@ def count_mismatches(pool, room: int, pages: np.ndarray) -> int:
     order = np.arange(pages.size)
     bad = 0
     for layer, kind, view in page_views(pool):
-        got = view[index]
+        got = view.index_select(0, index)
         want = expected_pages(room, layer, kind, order, view.shape[1])
         if not torch.equal(got, want):
             bad += int((got != want).sum())
@@ -61,7 +61,7 @@ def count_mismatches(pool, room: int, pages: np.ndarray) -> int:
 def reset_pages(pool, pages: np.ndarray) -> None:
     index = torch.from_numpy(pages)
     for _, _, view in page_views(pool):
-        view[index] = SENTINEL
+        view.index_fill_(0, index, SENTINEL)
 
 
 def sentinel_intact(pool, pages: np.ndarray) -> bool:
@@ -69,7 +69,8 @@ def sentinel_intact(pool, pages: np.ndarray) -> bool:
     if pages.size == 0:
         return True
     index = torch.from_numpy(pages)
-    return all(bool((view[index] == SENTINEL).all()) for _, _, view in page_views(pool))
+    return all(bool((view.index_select(0, index) == SENTINEL).all())
+               for _, _, view in page_views(pool))
 
 
 def request_bytes(pool, num_pages: int) -> int:
@@ -130,10 +131,28 @@ class DecodeReport:
     failures: list[str] = field(default_factory=list)
     sentinel_intact: bool = True
     seconds: float = 0.0
+    intervals: list[tuple[float, float]] = field(default_factory=list)
+    engine_seconds: float = 0.0
+
+    @property
+    def transfer_seconds(self) -> float:
+        """Wall time during which at least one verified request was between ``init`` (decode
+        sent its pages) and Success (the last chunk's report arrived)."""
+        total, end = 0.0, float("-inf")
+        for start, stop in sorted(self.intervals):
+            total += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        return total
 
     @property
     def gbps(self) -> float:
-        return self.bytes_verified / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        seconds = self.transfer_seconds
+        return self.bytes_verified / seconds / 1e9 if seconds > 0 else 0.0
+
+    @property
+    def engine_gbps(self) -> float:
+        seconds = self.engine_seconds
+        return self.bytes_verified / seconds / 1e9 if seconds > 0 else 0.0
 
     @property
     def ok(self) -> bool:
@@ -180,6 +199,8 @@ def drive_decode(node: DecodeNode, lengths: list[int], *, concurrency: int = 4, 
                 report.bytes_verified += request_bytes(pool, pages.size)
                 report.requests_ok += bad == 0
                 report.requests_failed += bad != 0
+                report.intervals.append((receiver.started_at, receiver.state.finished_at))
+                report.engine_seconds += receiver.write_seconds
                 if bad:
                     report.failures.append(f"room {room}: {bad} bytes differ")
             elif status == KVPoll.Failed:

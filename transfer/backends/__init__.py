@@ -17,6 +17,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from .base import BackendError, BackendUnavailable, MemoryRegion, TransferBacken
 BACKENDS = ("mooncake", "nixl")
 
 _DEVICE = re.compile(r"^(?:cpu|cuda:(\d+))$")
+_RDMA_SYSFS = Path("/sys/class/infiniband")
 _ENV_LOCK = threading.Lock()
 
 
@@ -49,6 +51,16 @@ def device_index(backend: str, region: MemoryRegion) -> int | None:
     if match is None:
         raise BackendError(backend, "register", f"{region}: device must be 'cpu' or 'cuda:N'")
     return None if match.group(1) is None else int(match.group(1))
+
+
+def rdma_devices(device_filter: str = "") -> list[str]:
+    """The RDMA devices of this machine (all, or those named in a comma-separated filter)."""
+    try:
+        found = sorted(entry.name for entry in _RDMA_SYSFS.iterdir())
+    except OSError:
+        return []
+    wanted = {name for name in device_filter.split(",") if name}
+    return [name for name in found if not wanted or name in wanted]
 
 
 @contextlib.contextmanager

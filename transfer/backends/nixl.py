@@ -1,0 +1,369 @@
+"""NVIDIA NIXL (UCX backend) behind the TransferBackend interface.
+
+Facts this module is built on (nixl-cu12 1.5.1 with its bundled UCX 1.23, see docs/engines.md):
+
+- Errors are typed exceptions (nixlNotFoundError, nixlRemoteDisconnectError, ...) with no common
+  base class; each one is turned into a BackendError that keeps the original message.
+- The agent runs without a progress thread (it would busy-poll a core): the passive side must
+  call ``progress()`` every few ms or the first transfer into it hangs, and the agent is not
+  thread-safe in that mode — every agent call here holds one lock (NIXL calls this mode
+  "caller-serialised"). A write releases the lock between polls so ``progress()`` can run.
+- There is no transfer timeout: a write to a frozen peer stays "PROC". ``write`` polls with its
+  own deadline, then releases (cancels) the request and raises TransferTimeout.
+- A NIXL transfer needs the memory type and device of the *remote* descriptors, which the agent
+  metadata does not tell us in a usable form. ``metadata()`` therefore wraps the agent metadata
+  with the list of regions registered here; ``connect`` reads both, and ``write`` checks every
+  destination range against them before the engine sees it.
+- ``initialize_xfer`` and ``prep_xfer_dlist`` + ``make_prepped_xfer`` move non-adjacent DSA-sized
+  descriptors equally fast; the prepped path is only faster when it can merge adjacent
+  descriptors, which the planner has already coalesced. So writes use ``initialize_xfer``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import ipaddress
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import (
+    RegionTable,
+    check_timeout,
+    check_write_args,
+    device_index,
+    env_defaults,
+    rdma_devices,
+)
+from .base import BackendError, BackendUnavailable, MemoryRegion, TransferTimeout
+
+log = logging.getLogger(__name__)
+
+_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")  # the wheels, then the meta package (imports torch)
+_MAGIC = b"DSAB-NIXL/1\n"
+_UCX_SETTINGS = ("UCX_TLS", "UCX_NET_DEVICES")
+_POLL_SPIN = 200  # polls before the wait starts sleeping
+_POLL_MAX_SLEEP_S = 0.001
+
+
+def _import_nixl() -> tuple[object, object, tuple[type[BaseException], ...]]:
+    """``(_api, _bindings, the nixl exception classes)`` from the first NIXL package found."""
+    missing = []
+    for module in _MODULES:
+        try:
+            api = importlib.import_module(f"{module}._api")
+        except ImportError as exc:
+            missing.append(f"{module}: {exc}")
+            continue
+        bindings = api.nixlBind
+        errors = tuple(
+            value
+            for key, value in vars(bindings).items()
+            if key.startswith("nixl") and isinstance(value, type) and issubclass(value, Exception)
+        )
+        return api, bindings, errors
+    raise BackendUnavailable(
+        "nixl", "import", f"no NIXL package ({'; '.join(missing)}); install nixl-cu12 (bundles UCX)"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class NixlBackend:
+    """TransferBackend over a ``nixl_agent`` with the UCX backend and no progress thread."""
+
+    name = "nixl"
+
+    def __init__(self, *, host: str = "127.0.0.1", agent_name: str = "") -> None:
+        # UCX_NET_DEVICES=lo keeps UCX off the LAN for a loopback host. UCX_MODULES=^ib: without
+        # an RDMA device the InfiniBand module is useless, and loading it (bundled rdma-core next
+        # to the system's libibverbs providers) makes every process crash with SIGSEGV at exit.
+        defaults = {"NIXL_LOG_LEVEL": "WARN"}
+        if _is_loopback(host):
+            defaults["UCX_NET_DEVICES"] = "lo"
+        if not rdma_devices():
+            defaults["UCX_MODULES"] = "^ib"
+        with env_defaults(defaults):
+            api, self._bindings, self._errors = _import_nixl()
+            self.agent_name = agent_name or f"dsa-bridge-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            ucx = ", ".join(f"{key}={os.environ.get(key, '<unset>')}" for key in _UCX_SETTINGS)
+            config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            try:
+                agent = api.nixl_agent(self.agent_name, config)
+            except (RuntimeError, *self._errors) as exc:
+                raise BackendUnavailable(
+                    self.name,
+                    "create_agent",
+                    f"{type(exc).__name__}: {exc} (no usable UCX transport? {ucx})",
+                ) from exc
+        if "UCX" not in agent.backends:
+            raise BackendUnavailable(self.name, "create_agent", "this NIXL has no UCX plugin")
+        self._mem_types = set(agent.get_backend_mem_types("UCX"))
+        self._transport = f"ucx ({ucx})"
+        self._agent = agent
+        self._lock = threading.Lock()
+        self._regions = RegionTable(self.name)
+        self._reg_lists: dict[int, object] = {}
+        self._peers: dict[str, RegionTable] = {}
+        self._unreleased: list[object] = []
+        self._closed = False
+        log.info("nixl: agent %s up, transport %s", self.agent_name, self._transport)
+
+    def register(self, regions: list[MemoryRegion]) -> None:
+        """Register each region (all or none: a failure deregisters this call's regions)."""
+        with self._lock:
+            self._check_open("register")
+            self._regions.check_new(regions)
+            done: list[MemoryRegion] = []
+            for region in regions:
+                cuda = device_index(self.name, region)
+                mem = "DRAM" if cuda is None else "VRAM"
+                try:
+                    if f"{mem}_SEG" not in self._mem_types:
+                        raise BackendError(self.name, "register", f"{region}: UCX cannot do {mem}")
+                    reg = self._call(
+                        "register_memory",
+                        "",
+                        self._agent.register_memory,
+                        [(region.ptr, region.nbytes, cuda or 0, "")],
+                        mem,
+                    )
+                except BackendError:
+                    self._roll_back(done)
+                    raise
+                self._reg_lists[region.ptr] = reg
+                self._regions.add(region)
+                done.append(region)
+
+    def metadata(self) -> bytes:
+        """The agent metadata, prefixed with the regions registered here (see the module notes)."""
+        with self._lock:
+            self._check_open("metadata")
+            header = json.dumps(
+                {
+                    "agent": self.agent_name,
+                    "regions": [
+                        [r.ptr, r.nbytes, r.device] for r in self._regions.regions.values()
+                    ],
+                }
+            ).encode()
+            agent_md = self._call("get_agent_metadata", "", self._agent.get_agent_metadata)
+        return _MAGIC + len(header).to_bytes(4, "big") + header + agent_md
+
+    def connect(self, peer_metadata: bytes) -> str:
+        """Load a peer's agent metadata and remember its regions; returns the peer agent's name."""
+        with self._lock:
+            self._check_open("connect")
+        try:
+            if not peer_metadata.startswith(_MAGIC):
+                raise ValueError("not dsa-bridge NIXL metadata")
+            start = len(_MAGIC) + 4
+            size = int.from_bytes(peer_metadata[len(_MAGIC) : start], "big")
+            header = json.loads(peer_metadata[start : start + size])
+            agent_md = peer_metadata[start + size :]
+            regions = [MemoryRegion(int(p), int(n), str(d)) for p, n, d in header["regions"]]
+            expected = str(header["agent"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BackendError(self.name, "connect", f"malformed peer metadata: {exc}") from exc
+        table = RegionTable(self.name)
+        if regions:
+            table.check_new(regions)
+        for region in regions:
+            table.add(region)
+        with self._lock:
+            self._check_open("connect")
+            loaded = self._call(
+                "add_remote_agent", expected, self._agent.add_remote_agent, agent_md
+            )
+            peer = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if peer != expected:
+                raise BackendError(
+                    self.name, "connect", f"metadata names agent {peer}", peer=expected
+                )
+            self._peers[peer] = table
+        return peer
+
+    def write(
+        self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *, timeout_s: float
+    ) -> None:
+        """Write ``length[i]`` bytes from ``src[i]`` to the peer's ``dst[i]``; block until "DONE".
+
+        Raises BackendError on an engine error ("ERR" or a nixl exception, message kept) and
+        TransferTimeout when ``timeout_s`` passes first; the request is then released (UCX
+        cancels it) and the destination may still be partly written.
+        """
+        deadline = time.monotonic() + check_timeout(self.name, peer, timeout_s)
+        src, dst, length = check_write_args(self.name, peer, src, dst, length)
+        with self._lock:
+            self._check_open("write")
+            remote = self._peers.get(peer)
+            if remote is None:
+                raise BackendError(self.name, "write", "unknown peer (connect first)", peer=peer)
+            local_slot = self._regions.locate("src", src, length)
+            remote_slot = remote.locate("dst", dst, length, peer=peer)
+            lists = _xfer_lists(self._regions, local_slot, src, length, remote, remote_slot, dst)
+            handles: list[object] = []
+            try:
+                for (local_mem, local_descs), (remote_mem, remote_descs) in lists:
+                    local = self._agent.get_xfer_descs(local_descs, local_mem)
+                    far = self._agent.get_xfer_descs(remote_descs, remote_mem)
+                    handle = self._call(
+                        "initialize_xfer",
+                        peer,
+                        self._agent.initialize_xfer,
+                        "WRITE",
+                        local,
+                        far,
+                        peer,
+                    )
+                    handles.append(handle)
+                    if self._call("transfer", peer, self._agent.transfer, handle) == "ERR":
+                        raise BackendError(self.name, "transfer", "posting failed", peer=peer)
+            except BaseException:
+                self._release(handles)
+                raise
+        try:
+            self._wait(peer, handles, deadline, len(src), timeout_s)
+        finally:
+            with self._lock:
+                self._release(handles)
+
+    def _wait(
+        self, peer: str, handles: list[object], deadline: float, count: int, timeout_s: float
+    ) -> None:
+        """Poll the requests until all are DONE; spin briefly, then back off to 1 ms sleeps."""
+        pending, polls = list(handles), 0
+        while True:
+            with self._lock:
+                states = [
+                    self._call("check_xfer_state", peer, self._agent.check_xfer_state, h)
+                    for h in pending
+                ]
+            if "ERR" in states:
+                raise BackendError(
+                    self.name, "check_xfer_state", "transfer in ERR state", peer=peer
+                )
+            pending = [h for h, state in zip(pending, states, strict=True) if state != "DONE"]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(
+                    self.name,
+                    "write",
+                    f"{count} descriptors not done after {timeout_s} s",
+                    peer=peer,
+                )
+            polls += 1
+            if polls > _POLL_SPIN:
+                time.sleep(min(_POLL_MAX_SLEEP_S, max(0.0, deadline - time.monotonic())))
+
+    def progress(self) -> None:
+        """Drive the agent (the passive side must call this every few ms); drops notifications."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._unreleased:
+                self._release(self._unreleased)
+            notifs = self._call("get_new_notifs", "", self._agent.get_new_notifs)
+        if notifs:
+            log.debug("nixl: ignored notifications from %s", sorted(notifs))
+
+    def transport(self) -> str:
+        """'ucx (UCX_TLS=..., UCX_NET_DEVICES=...)'; UCX picks cma, tcp, ... per peer in them."""
+        return self._transport
+
+    def close(self) -> None:
+        """Forget the peers, deregister every region and drop the agent; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            failures = []
+            self._release(self._unreleased)
+            for peer in list(self._peers):
+                try:
+                    self._call("remove_remote_agent", peer, self._agent.remove_remote_agent, peer)
+                except BackendError as exc:
+                    failures.append(str(exc))
+            self._peers.clear()
+            for region in list(self._regions.regions.values()):
+                try:
+                    self._deregister(region)
+                except BackendError as exc:
+                    failures.append(str(exc))
+            if self._unreleased:
+                failures.append(f"{len(self._unreleased)} transfer requests could not be released")
+            self._agent = None
+        if failures:
+            raise BackendError(self.name, "close", "; ".join(failures))
+
+    def _call(self, op: str, peer: str, method: Callable[..., Any], *args: object) -> Any:
+        """Run one agent call, turning a nixl exception into a BackendError with its message."""
+        try:
+            return method(*args)
+        except self._errors as exc:
+            raise BackendError(self.name, op, f"{type(exc).__name__}: {exc}", peer=peer) from exc
+
+    def _release(self, handles: list[object]) -> None:
+        """Release (cancel if still running) each request; keep the ones NIXL refuses for later."""
+        kept = []
+        for handle in handles:
+            try:
+                handle.release()
+            except self._errors as exc:
+                log.warning("nixl: cannot release a transfer request yet: %s", exc)
+                kept.append(handle)
+        self._unreleased = [h for h in self._unreleased if h not in handles] + kept
+
+    def _deregister(self, region: MemoryRegion) -> None:
+        reg = self._reg_lists.pop(region.ptr)
+        self._regions.remove(region)
+        self._call("deregister_memory", "", self._agent.deregister_memory, reg)
+
+    def _roll_back(self, regions: list[MemoryRegion]) -> None:
+        for region in regions:
+            try:
+                self._deregister(region)
+            except BackendError as exc:
+                log.error("nixl: rolling back a failed register: %s", exc)
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise BackendError(self.name, op, "backend is closed")
+
+
+def _xfer_lists(
+    local: RegionTable,
+    local_slot: np.ndarray,
+    src: np.ndarray,
+    length: np.ndarray,
+    remote: RegionTable,
+    remote_slot: np.ndarray,
+    dst: np.ndarray,
+) -> list[tuple[tuple[str, np.ndarray], tuple[str, np.ndarray]]]:
+    """Nx3 (addr, len, device) arrays, one local/remote pair per (local, remote) memory type."""
+    local_cuda, remote_cuda = local.on_cuda[local_slot], remote.on_cuda[remote_slot]
+    lists = []
+    for lc in (False, True):
+        for rc in (False, True):
+            pick = (local_cuda == lc) & (remote_cuda == rc)
+            if not pick.any():
+                continue
+            mine = np.column_stack((src[pick], length[pick], local.device_ids[local_slot[pick]]))
+            theirs = np.column_stack(
+                (dst[pick], length[pick], remote.device_ids[remote_slot[pick]])
+            )
+            lists.append((("VRAM" if lc else "DRAM", mine), ("VRAM" if rc else "DRAM", theirs)))
+    return lists

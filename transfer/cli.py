@@ -1,0 +1,213 @@
+"""The ``dsa-bridge`` launcher: pool geometry, the prefill and decode roles, and the demo.
+
+    dsa-bridge pool    --model deepseek-v3.2            geometry and sizing of a pool
+    dsa-bridge prefill --listen HOST:PORT ...           a long-lived prefill node
+    dsa-bridge decode  --prefill HOST:PORT ...          a decode node that runs N verified requests
+    dsa-bridge demo                                     both, as two processes on this machine
+
+Progress and logs go to stderr; ``--json`` output is the only thing written to stdout by us
+(NIXL and UCX log to stdout, so child processes' stdout is sent to stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+import numpy as np
+
+from dsa_bridge.transfer.demo import run_demo
+from dsa_bridge.transfer.summary import print_summary, write_json_atomic
+
+DEFAULT_POOL_TOKENS = 65536
+log = logging.getLogger("dsa_bridge")
+
+
+def add_pool_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="deepseek-v3.2",
+                        help="preset (deepseek-v3.2, glm-5.2) or a path to a config.json")
+    parser.add_argument("--kv-dtype", default="fp8", choices=("fp8", "fp8_raw", "bf16"),
+                        help="MLA KV layout: fp8 = 656-byte flashmla row (default)")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--pool-tokens", type=int, default=DEFAULT_POOL_TOKENS,
+                        help="token slots in the pool, a multiple of the page size "
+                             f"(default {DEFAULT_POOL_TOKENS}: ~3.1 GB for DeepSeek-V3.2 fp8)")
+
+
+def add_node_options(parser: argparse.ArgumentParser) -> None:
+    add_pool_options(parser)
+    parser.add_argument("--backend", default="mooncake", choices=("mooncake", "nixl"))
+    parser.add_argument("--peer-timeout", type=float, default=5.0,
+                        help="seconds without a heartbeat before a peer counts as dead")
+    parser.add_argument("--request-timeout", type=float, default=60.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsa-bridge", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", default=os.environ.get("DSA_BRIDGE_LOG_LEVEL", "WARNING"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    pool = sub.add_parser("pool", help="print a pool's geometry and sizing")
+    add_pool_options(pool)
+    pool.add_argument("--budget-gib", type=float, default=60.0)
+    pool.add_argument("--json", action="store_true")
+
+    prefill = sub.add_parser("prefill", help="run a prefill node until SIGTERM/SIGINT")
+    add_node_options(prefill)
+    prefill.add_argument("--listen", default="127.0.0.1:0", help="control endpoint HOST:PORT")
+    prefill.add_argument("--ready-file", help="write {endpoint, pid} here once listening")
+    prefill.add_argument("--chunk-pages", type=int, default=64,
+                         help="pages per chunk (a chunked prefill sends a request in pieces)")
+
+    decode = sub.add_parser("decode", help="run verified requests against a prefill node")
+    add_node_options(decode)
+    decode.add_argument("--prefill", required=True, help="prefill control endpoint HOST:PORT")
+    decode.add_argument("--engine-host", help="address prefill reaches this node's engine at "
+                                              "(default: the local address routed to prefill)")
+    add_run_options(decode)
+    decode.add_argument("--summary-file", help="write the JSON summary here instead of printing")
+
+    demo = sub.add_parser("demo", help="a real prefill and decode process on this machine")
+    add_node_options(demo)
+    add_run_options(demo)
+    demo.add_argument("--timeout", type=float, default=900.0, help="whole-run deadline, seconds")
+    return parser
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=16384, help="longest request")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
+
+def make_pool(args):
+    from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
+    from dsa_bridge.plugin.layout import load_model_config
+
+    layout = DSALayout.from_hf_config(load_model_config(args.model), page_size=args.page_size,
+                                      kv_dtype=args.kv_dtype)
+    return DSATokenToKVPool.from_layout(layout, size=args.pool_tokens)
+
+
+def cmd_pool(args) -> int:
+    from dsa_bridge.plugin import DSALayout, sizing
+    from dsa_bridge.plugin.layout import load_model_config
+
+    config = load_model_config(args.model)
+    layout = DSALayout.from_hf_config(config, page_size=args.page_size, kv_dtype=args.kv_dtype)
+    budget = int(args.budget_gib * 2**30)
+    info = {
+        "model": args.model, "layers": layout.num_layers, "kv_dtype": layout.kv_dtype,
+        "page_size": layout.page_size, "kv_row_bytes": layout.kv_row_bytes,
+        "kv_page_bytes": layout.kv_page_bytes, "index_row_bytes": layout.index_row_bytes,
+        "index_page_bytes": layout.index_page_bytes,
+        "bytes_per_token": sizing.bytes_per_token(layout),
+        "budget_bytes": budget, "capacity_tokens": sizing.pool_capacity_tokens(layout, budget),
+        "layout_hash": layout.layout_hash(),
+        "index_sharing": sizing.index_sharing_report(config, layout),
+    }
+    if args.json:
+        print(json.dumps(info))
+    else:
+        for key, value in info.items():
+            print(f"{key:>18}: {value}")
+    return 0
+
+
+def stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def cmd_prefill(args) -> int:
+    from dsa_bridge.transfer.backends import create_backend
+    from dsa_bridge.transfer.control import parse_endpoint
+    from dsa_bridge.transfer.prefill import PrefillNode
+    from dsa_bridge.transfer.roles import serve_prefill
+
+    stop = stop_on_signals()
+    host, _ = parse_endpoint(args.listen, "--listen")
+    pool = make_pool(args)
+    node = PrefillNode(pool, create_backend(args.backend, host=host), listen=args.listen,
+                       request_timeout_s=args.request_timeout, peer_timeout_s=args.peer_timeout)
+    try:
+        if args.ready_file:
+            write_json_atomic(args.ready_file, {"endpoint": node.endpoint, "pid": os.getpid(),
+                                                "transport": node.backend.transport()})
+        print(f"[prefill] listening on {node.endpoint} ({args.backend}, "
+              f"{node.backend.transport()})", file=sys.stderr, flush=True)
+        serve_prefill(node, stop, chunk_pages=args.chunk_pages)
+    finally:
+        print(f"[prefill] counters: {node.counters.snapshot()}", file=sys.stderr, flush=True)
+        node.close()
+    return 0
+
+
+def cmd_decode(args) -> int:
+    from dsa_bridge.transfer.backends import create_backend
+    from dsa_bridge.transfer.control import parse_endpoint
+    from dsa_bridge.transfer.decode import DecodeNode
+    from dsa_bridge.transfer.roles import drive_decode, request_lengths, reset_pages
+
+    prefill_host, _ = parse_endpoint(args.prefill, "--prefill")
+    pool = make_pool(args)
+    reset_pages(pool, np.arange(pool.num_kv_pages))
+    engine_host = args.engine_host or local_address_for(prefill_host)
+    with DecodeNode(pool, create_backend(args.backend, host=engine_host), args.prefill,
+                    request_timeout_s=args.request_timeout,
+                    peer_timeout_s=args.peer_timeout) as node:
+        lengths = request_lengths(args.requests, pool.page_size,
+                                  min(args.max_tokens, args.pool_tokens), args.seed)
+        report = drive_decode(node, lengths, concurrency=args.concurrency, seed=args.seed + 1)
+        summary = {
+            "requests": report.requests, "requests_ok": report.requests_ok,
+            "requests_failed": report.requests_failed, "bytes_verified": report.bytes_verified,
+            "bytes_mismatched": report.bytes_mismatched, "sentinel_intact": report.sentinel_intact,
+            "layers": pool.layout.num_layers, "gbps": round(report.gbps, 3),
+            "engine_gbps": round(report.engine_gbps, 3), "seconds": round(report.seconds, 3),
+            "transfer_seconds": round(report.transfer_seconds, 3), "backend": args.backend,
+            "transport": node.backend.transport(), "model": args.model,
+            "kv_dtype": args.kv_dtype, "page_size": pool.page_size,
+            "concurrency": args.concurrency, "failures": report.failures[:20],
+            "counters": node.counters.snapshot(), "ok": report.ok,
+        }
+    if args.summary_file:
+        write_json_atomic(args.summary_file, summary)
+    else:
+        print_summary(summary, as_json=args.json)
+    return 0 if report.ok else 1
+
+
+def local_address_for(peer_host: str) -> str:
+    """The local address the kernel routes to ``peer_host`` (no packet is sent)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in peer_host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer_host, 9))
+        return probe.getsockname()[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    commands = {"pool": cmd_pool, "prefill": cmd_prefill, "decode": cmd_decode, "demo": run_demo}
+    try:
+        return commands[args.command](args)
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"dsa-bridge {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,385 @@
+"""The uniform DSA token-to-KV pool: per layer one MLA KV buffer and one indexer buffer.
+
+Device-agnostic (CPU tensors in tests, CUDA on GPUs) and SGLang-compatible in names and shapes
+(``kv_buffer``, ``index_k_with_scale_buffer``, ``get_contiguous_buf_infos``,
+``get_state_buf_infos``, ``move_kv_cache``, ``get_cpu_copy``, ``load_cpu_copy``). Every layer has
+both buffers, none of zero size. The KV buffer is indexed by token row; the indexer buffer by page
+(``loc // page_size``) and in-page offset (``loc % page_size``) — never by token location.
+Every public operation validates all of its input before it touches a byte.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .descriptors import BufferDescriptor, page_bytes, to_three_lists, validate_descriptors
+from .layout import KV_DTYPES, DSALayout
+from .sizing import index_pages, kv_rows, resolve_index_buf_size
+
+CANARY = 0xCD
+GUARD_ALIGN = 8  # guard_bytes must keep every carved buffer aligned for its dtype
+DEFAULT_CHUNK_TOKENS = 8192
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def resolve_kv_dtype(dtype: Any, kv_cache_dim: int | None, kv_lora_rank: int, rope: int) -> str:
+    """SGLang's (dtype, kv_cache_dim) -> one of KV_DTYPES. An fp8 dtype (float8_e4m3fn or its
+    uint8 storage) is "fp8_raw" when kv_cache_dim == kv_lora_rank + rope, else "fp8" (flashmla)."""
+    if isinstance(dtype, str):
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"dtype must be one of {KV_DTYPES} or a torch dtype, got {dtype!r}")
+        return dtype
+    if dtype == torch.bfloat16:
+        return "bf16"
+    if dtype in (torch.float8_e4m3fn, torch.uint8):
+        return "fp8_raw" if kv_cache_dim == kv_lora_rank + rope else "fp8"
+    raise ValueError(
+        f"dtype must be torch.bfloat16, torch.float8_e4m3fn, torch.uint8 or one of {KV_DTYPES}, "
+        f"got {dtype!r}"
+    )
+
+
+@dataclass(frozen=True)
+class CpuCopy:
+    """A host copy of some tokens' cache, every layer: per layer ``kv[i]`` (n, 1, kv_cache_dim),
+    ``index_keys[i]`` (n, index_head_dim) and ``index_scales[i]`` (n, scale bytes), CPU tensors,
+    in the order of the token locations it was taken from."""
+
+    layout: DSALayout
+    num_tokens: int
+    kv: tuple[torch.Tensor, ...]
+    index_keys: tuple[torch.Tensor, ...]
+    index_scales: tuple[torch.Tensor, ...]
+
+
+class DSATokenToKVPool:
+    """Uniform DSA pool; see the module docstring. ``layout`` describes its geometry."""
+
+    state_type = "dsa"
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        kv_lora_rank: int,
+        dtype: Any,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: str | torch.device = "cpu",
+        index_head_dim: int = 128,
+        enable_memory_saver: bool = False,
+        kv_cache_dim: int | None = None,
+        start_layer: int | None = None,
+        end_layer: int | None = None,
+        index_buf_size: int | None = None,
+        *,
+        index_quant_block: int = 128,
+        guard_bytes: int = 0,
+    ) -> None:
+        if enable_memory_saver:
+            raise ValueError("enable_memory_saver=True is not supported (no torch_memory_saver)")
+        _check_int("layer_num", layer_num, 1)
+        _check_int("kv_lora_rank", kv_lora_rank, 1)
+        _check_int("qk_rope_head_dim", qk_rope_head_dim, 1)
+        start = 0 if start_layer is None else start_layer
+        _check_int("start_layer", start, 0)
+        end = start + layer_num if end_layer is None else end_layer
+        _check_int("end_layer", end, 0)
+        if end - start != layer_num:
+            raise ValueError(
+                f"end_layer ({end}) - start_layer ({start}) must equal layer_num ({layer_num})"
+            )
+        layout = DSALayout(
+            layer_ids=tuple(range(start, end)),
+            page_size=page_size,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+            kv_dtype=resolve_kv_dtype(dtype, kv_cache_dim, kv_lora_rank, qk_rope_head_dim),
+            index_head_dim=index_head_dim,
+            index_quant_block=index_quant_block,
+        )
+        if kv_cache_dim is not None and kv_cache_dim != layout.kv_cache_dim:
+            raise ValueError(
+                f"kv_cache_dim {kv_cache_dim} does not match kv_dtype {layout.kv_dtype!r} "
+                f"(expected {layout.kv_cache_dim})"
+            )
+        self._allocate(layout, size, device, index_buf_size, guard_bytes)
+
+    @classmethod
+    def from_layout(
+        cls,
+        layout: DSALayout,
+        size: int,
+        device: str | torch.device = "cpu",
+        index_buf_size: int | None = None,
+        *,
+        guard_bytes: int = 0,
+    ) -> DSATokenToKVPool:
+        """A pool holding exactly ``layout.layer_ids`` (which need not be contiguous)."""
+        if not isinstance(layout, DSALayout):
+            raise TypeError(f"layout must be a DSALayout, got {type(layout).__name__}")
+        pool = cls.__new__(cls)
+        pool._allocate(layout, size, device, index_buf_size, guard_bytes)
+        return pool
+
+    def _allocate(
+        self,
+        layout: DSALayout,
+        size: int,
+        device: str | torch.device,
+        index_buf_size: int | None,
+        guard_bytes: int,
+    ) -> None:
+        self.index_buf_size = resolve_index_buf_size(layout, size, index_buf_size)
+        _check_int("guard_bytes", guard_bytes, 0)
+        if guard_bytes % GUARD_ALIGN:
+            raise ValueError(f"guard_bytes must be a multiple of {GUARD_ALIGN}, got {guard_bytes}")
+        self.layout = layout
+        self.size = size
+        self.page_size = layout.page_size
+        self.layer_num = layout.num_layers
+        self.start_layer = layout.layer_ids[0]
+        self.end_layer = layout.layer_ids[-1] + 1  # the span; ids inside it may be absent
+        self.kv_lora_rank = layout.kv_lora_rank
+        self.qk_rope_head_dim = layout.qk_rope_head_dim
+        self.kv_cache_dim = layout.kv_cache_dim
+        self.index_head_dim = layout.index_head_dim
+        bf16 = layout.kv_dtype == "bf16"
+        self.dtype = torch.bfloat16 if bf16 else torch.float8_e4m3fn
+        self.store_dtype = torch.bfloat16 if bf16 else torch.uint8
+        self.guard_bytes = guard_bytes
+        self._guards: list[torch.Tensor] = []
+        self._positions = {lid: i for i, lid in enumerate(layout.layer_ids)}
+        rows = kv_rows(layout, size)
+        self.num_kv_pages = rows // layout.page_size
+        dev = torch.device(device)
+        self.kv_buffer = [
+            self._alloc((rows, 1, layout.kv_cache_dim), self.store_dtype, dev)
+            for _ in layout.layer_ids
+        ]
+        pages = index_pages(layout, self.index_buf_size)
+        self.index_k_with_scale_buffer = [
+            self._alloc((pages, layout.index_page_bytes), torch.uint8, dev)
+            for _ in layout.layer_ids
+        ]
+        self.device = str(self.kv_buffer[0].device)
+
+    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+        if not self.guard_bytes:
+            return torch.zeros(shape, dtype=dtype, device=dev)
+        g, nbytes = self.guard_bytes, math.prod(shape) * dtype.itemsize
+        base = torch.full((g + nbytes + g,), CANARY, dtype=torch.uint8, device=dev)
+        body = base[g : g + nbytes]
+        body.zero_()
+        self._guards.append(base)
+        return body.view(dtype).view(shape)
+
+    # ---- geometry and views ------------------------------------------------------------------
+    @property
+    def guard_allocations(self) -> tuple[torch.Tensor, ...]:
+        """With guard_bytes > 0: the uint8 allocations the buffers are carved from (all KV
+        buffers, then all indexer buffers); buffer bytes at ``[guard_bytes, len - guard_bytes)``."""
+        return tuple(self._guards)
+
+    def layer_index(self, layer_id: int) -> int:
+        """Position of global ``layer_id`` in ``kv_buffer`` / ``index_k_with_scale_buffer``."""
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
+        try:
+            return self._positions[layer_id]
+        except KeyError:
+            ids = self.layout.layer_ids
+            raise ValueError(
+                f"layer_id {layer_id} is not held by this pool (layer ids {ids[0]}..{ids[-1]}, "
+                f"{len(ids)} layers)"
+            ) from None
+
+    def page_view(self, layer_id: int, kind: str) -> torch.Tensor:
+        """uint8 (pages, item_len) view of one buffer, sharing its storage."""
+        i = self.layer_index(layer_id)
+        if kind == "kv":
+            raw = self.kv_buffer[i].view(torch.uint8)
+            return raw.view(self.num_kv_pages, self.layout.kv_page_bytes)
+        if kind == "index":
+            return self.index_k_with_scale_buffer[i]
+        raise ValueError(f"kind must be 'kv' or 'index', got {kind!r}")
+
+    def _index_views(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys (pages, page_size, index_head_dim), scales (pages, page_size, scale bytes))."""
+        buf = self.index_k_with_scale_buffer[i]
+        split = self.page_size * self.layout.index_head_dim
+        keys = buf[:, :split].unflatten(1, (self.page_size, self.layout.index_head_dim))
+        scales = buf[:, split:].unflatten(1, (self.page_size, self.layout.index_scale_bytes))
+        return keys, scales
+
+    # ---- descriptors ---------------------------------------------------------------------------
+    def buffer_descriptors(self) -> list[BufferDescriptor]:
+        """Both buffers of every layer, ordered by (layer_id, kv then index); validated."""
+        descs = []
+        for i, lid in enumerate(self.layout.layer_ids):
+            for kind, buf in (
+                ("kv", self.kv_buffer[i]),
+                ("index", self.index_k_with_scale_buffer[i]),
+            ):
+                descs.append(
+                    BufferDescriptor(
+                        layer_id=lid,
+                        kind=kind,
+                        ptr=buf.data_ptr(),
+                        nbytes=buf.numel() * buf.element_size(),
+                        item_len=page_bytes(self.layout, kind),
+                        device=str(buf.device),
+                    )
+                )
+        validate_descriptors(descs, self.layout)
+        return descs
+
+    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """KV buffers as SGLang's (data_ptrs, data_lens, item_lens), in layer order."""
+        return to_three_lists([d for d in self.buffer_descriptors() if d.kind == "kv"])
+
+    def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """Indexer buffers as SGLang's (data_ptrs, data_lens, item_lens), in layer order."""
+        return to_three_lists([d for d in self.buffer_descriptors() if d.kind == "index"])
+
+    def get_kv_size_bytes(self) -> int:
+        """Bytes of all KV and indexer buffers, padding included, guard bytes excluded."""
+        buffers = self.kv_buffer + self.index_k_with_scale_buffer
+        return sum(t.numel() * t.element_size() for t in buffers)
+
+    def canaries_intact(self) -> bool:
+        """False if any guard byte around any buffer changed; True when guard_bytes == 0."""
+        g = self.guard_bytes
+        return all(
+            bool((base[:g] == CANARY).all()) and bool((base[-g:] == CANARY).all())
+            for base in self._guards
+        )
+
+    # ---- token operations ----------------------------------------------------------------------
+    def _check_locs(self, name: str, locs: Any, *, target: bool) -> torch.Tensor:
+        """Validate token locations; targets may not be in padding page 0 nor repeat."""
+        if not isinstance(locs, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(locs).__name__}")
+        if locs.dtype == torch.bool or locs.dtype.is_floating_point or locs.dtype.is_complex:
+            raise TypeError(f"{name} must have an integer dtype, got {locs.dtype}")
+        if locs.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(locs.shape)}")
+        if locs.device != self.kv_buffer[0].device:
+            raise ValueError(f"{name} is on {locs.device}, the pool is on {self.device}")
+        locs = locs.long()
+        if locs.numel() == 0:
+            return locs
+        lo, hi = (int(v) for v in torch.aminmax(locs))
+        rows = self.size + self.page_size
+        if lo < 0 or hi >= rows:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} out of range: location {bad} not in [0, {rows})")
+        if target:
+            if lo < self.page_size:
+                raise ValueError(
+                    f"{name} targets padding page 0: location {lo} < page_size {self.page_size}"
+                )
+            if torch.unique(locs).numel() != locs.numel():
+                raise ValueError(f"{name} has duplicate locations")
+        return locs
+
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """Copy token rows src -> tgt in every layer, KV and indexer (key + scale bytes).
+        Overlapping src/tgt behave as a copy from a snapshot of the sources."""
+        tgt = self._check_locs("tgt_loc", tgt_loc, target=True)
+        src = self._check_locs("src_loc", src_loc, target=False)
+        if tgt.numel() != src.numel():
+            raise ValueError(f"tgt_loc has {tgt.numel()} locations but src_loc has {src.numel()}")
+        if tgt.numel() == 0:
+            return
+        tp, to = tgt // self.page_size, tgt % self.page_size
+        sp, so = src // self.page_size, src % self.page_size
+        for i, kv in enumerate(self.kv_buffer):
+            kv[tgt] = kv[src]  # advanced indexing gathers into a new tensor before the scatter
+            keys, scales = self._index_views(i)
+            keys[tp, to] = keys[sp, so]
+            scales[tp, to] = scales[sp, so]
+
+    def get_cpu_copy(
+        self, token_locs: torch.Tensor, *, chunk_size: int = DEFAULT_CHUNK_TOKENS
+    ) -> CpuCopy:
+        """Host copy of these tokens' KV rows and indexer key+scale bytes, every layer, taken
+        ``chunk_size`` tokens at a time (bounds the device-side temporaries)."""
+        locs = self._check_locs("token_locs", token_locs, target=False)
+        _check_int("chunk_size", chunk_size, 1)
+        n, lay = locs.numel(), self.layout
+        kv = tuple(
+            torch.empty((n, 1, lay.kv_cache_dim), dtype=self.store_dtype) for _ in self.kv_buffer
+        )
+        keys = tuple(
+            torch.empty((n, lay.index_head_dim), dtype=torch.uint8) for _ in self.kv_buffer
+        )
+        scales = tuple(
+            torch.empty((n, lay.index_scale_bytes), dtype=torch.uint8) for _ in self.kv_buffer
+        )
+        for start in range(0, n, chunk_size):
+            chunk = locs[start : start + chunk_size]
+            page, off = chunk // self.page_size, chunk % self.page_size
+            end = start + chunk.numel()
+            for i, buf in enumerate(self.kv_buffer):
+                kv[i][start:end].copy_(buf[chunk])
+                k, s = self._index_views(i)
+                keys[i][start:end].copy_(k[page, off])
+                scales[i][start:end].copy_(s[page, off])
+        return CpuCopy(layout=lay, num_tokens=n, kv=kv, index_keys=keys, index_scales=scales)
+
+    def _check_copy(self, copy: Any) -> None:
+        if not isinstance(copy, CpuCopy):
+            raise TypeError(f"copy must be a CpuCopy from get_cpu_copy, got {type(copy).__name__}")
+        diff = self.layout.first_difference(copy.layout)
+        if diff is not None:
+            raise ValueError(f"copy was taken from a different layout: {diff}")
+        lay, n = self.layout, copy.num_tokens
+        expected = (
+            ("kv", copy.kv, (n, 1, lay.kv_cache_dim), self.store_dtype),
+            ("index_keys", copy.index_keys, (n, lay.index_head_dim), torch.uint8),
+            ("index_scales", copy.index_scales, (n, lay.index_scale_bytes), torch.uint8),
+        )
+        for field, tensors, shape, dtype in expected:
+            if len(tensors) != lay.num_layers:
+                raise ValueError(
+                    f"copy.{field} has {len(tensors)} layers, expected {lay.num_layers}"
+                )
+            for i, t in enumerate(tensors):
+                if tuple(t.shape) != shape or t.dtype != dtype:
+                    raise ValueError(
+                        f"copy.{field}[{i}] is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}"
+                    )
+
+    def load_cpu_copy(
+        self, copy: CpuCopy, token_locs: torch.Tensor, *, chunk_size: int = DEFAULT_CHUNK_TOKENS
+    ) -> None:
+        """Write a ``get_cpu_copy`` result into ``token_locs`` (same count; may differ from the
+        locations it was taken from), every layer, chunked. Other tokens of a page are untouched."""
+        self._check_copy(copy)
+        locs = self._check_locs("token_locs", token_locs, target=True)
+        _check_int("chunk_size", chunk_size, 1)
+        if locs.numel() != copy.num_tokens:
+            raise ValueError(
+                f"token_locs has {locs.numel()} locations but the copy holds {copy.num_tokens}"
+            )
+        dev = self.kv_buffer[0].device
+        for start in range(0, copy.num_tokens, chunk_size):
+            chunk = locs[start : start + chunk_size]
+            page, off = chunk // self.page_size, chunk % self.page_size
+            end = start + chunk.numel()
+            for i, buf in enumerate(self.kv_buffer):
+                buf[chunk] = copy.kv[i][start:end].to(dev)
+                k, s = self._index_views(i)
+                k[page, off] = copy.index_keys[i][start:end].to(dev)
+                s[page, off] = copy.index_scales[i][start:end].to(dev)

@@ -21,6 +21,7 @@ import threading
 
 import numpy as np
 
+from dsa_bridge.transfer.auth import load_secret
 from dsa_bridge.transfer.demo import run_demo
 from dsa_bridge.transfer.summary import print_summary, write_json_atomic
 
@@ -45,6 +46,8 @@ def add_node_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-timeout", type=float, default=5.0,
                         help="seconds without a heartbeat before a peer counts as dead")
     parser.add_argument("--request-timeout", type=float, default=60.0)
+    parser.add_argument("--secret-file", help="shared secret (first line) that peers must prove; "
+                                              "default: $DSA_BRIDGE_SECRET")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_node_options(prefill)
     prefill.add_argument("--listen", default="127.0.0.1:0", help="control endpoint HOST:PORT")
     prefill.add_argument("--ready-file", help="write {endpoint, pid} here once listening")
+    prefill.add_argument("--insecure", action="store_true",
+                         help="allow a non-loopback listener without a shared secret")
     prefill.add_argument("--chunk-pages", type=int, default=64,
                          help="pages per chunk (a chunked prefill sends a request in pieces)")
 
@@ -138,7 +143,8 @@ def cmd_prefill(args) -> int:
     host, _ = parse_endpoint(args.listen, "--listen")
     pool = make_pool(args)
     node = PrefillNode(pool, create_backend(args.backend, host=host), listen=args.listen,
-                       request_timeout_s=args.request_timeout, peer_timeout_s=args.peer_timeout)
+                       request_timeout_s=args.request_timeout, peer_timeout_s=args.peer_timeout,
+                       secret=load_secret(args.secret_file), allow_insecure=args.insecure)
     try:
         if args.ready_file:
             write_json_atomic(args.ready_file, {"endpoint": node.endpoint, "pid": os.getpid(),
@@ -163,8 +169,8 @@ def cmd_decode(args) -> int:
     reset_pages(pool, np.arange(pool.num_kv_pages))
     engine_host = args.engine_host or local_address_for(prefill_host)
     with DecodeNode(pool, create_backend(args.backend, host=engine_host), args.prefill,
-                    request_timeout_s=args.request_timeout,
-                    peer_timeout_s=args.peer_timeout) as node:
+                    request_timeout_s=args.request_timeout, peer_timeout_s=args.peer_timeout,
+                    secret=load_secret(args.secret_file)) as node:
         lengths = request_lengths(args.requests, pool.page_size,
                                   min(args.max_tokens, args.pool_tokens), args.seed)
         report = drive_decode(node, lengths, concurrency=args.concurrency, seed=args.seed + 1)

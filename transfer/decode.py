@@ -16,10 +16,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import zmq
 
-from dsa_bridge.transfer import protocol
+from dsa_bridge.transfer import auth, protocol
 from dsa_bridge.transfer.backends.base import MemoryRegion, TransferBackend
 from dsa_bridge.transfer.control import ControlLoop, parse_endpoint, zmq_address
 from dsa_bridge.transfer.counters import Counters
@@ -83,7 +84,8 @@ class DecodeNode:
     def __init__(self, pool, backend: TransferBackend, prefill: str | list[str], *,
                  name: str | None = None, handshake_timeout_s: float = 10.0,
                  request_timeout_s: float = 60.0, peer_timeout_s: float = 5.0,
-                 heartbeat_s: float = 0.5, in_flight_grace_s: float = 35.0):
+                 heartbeat_s: float = 0.5, in_flight_grace_s: float = 35.0,
+                 secret: bytes = b""):
         self.pool = pool
         self.layout = pool.layout
         self.backend = backend
@@ -92,6 +94,7 @@ class DecodeNode:
         self.peer_timeout_s = peer_timeout_s
         self.heartbeat_s = heartbeat_s
         self.in_flight_grace_s = in_flight_grace_s
+        self.secret = secret
         self.counters = Counters()
         self._lock = threading.RLock()
         self._receivers: dict[int, KVReceiver] = {}
@@ -152,9 +155,14 @@ class DecodeNode:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(zmq_address(host, port))
-        sock.send(protocol.encode(protocol.Hello(
+        hello = protocol.Hello(
             protocol.PROTOCOL_VERSION, self.name, self.backend.name, self.layout.to_dict(),
-            self.layout.layout_hash(), self.backend.metadata(), buffer_infos(self.buffers))))
+            self.layout.layout_hash(), self.backend.metadata(), buffer_infos(self.buffers),
+            nonce=os.urandom(16), sent_at=time.time())
+        if self.secret:
+            hello = msgspec.structs.replace(
+                hello, auth=auth.sign(self.secret, protocol.signed_bytes(hello)))
+        sock.send(protocol.encode(hello))
         deadline = time.monotonic() + timeout_s
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
@@ -171,6 +179,9 @@ class DecodeNode:
         try:
             if not ack.ok:
                 raise HandshakeError(f"prefill {endpoint} refused the handshake: {ack.reason}")
+            if self.secret and not auth.verify(self.secret, ack.auth, b"ack", hello.nonce,
+                                               protocol.signed_bytes(ack)):
+                raise HandshakeError(f"prefill {endpoint} did not prove the shared secret")
             check_peer(self.layout, self.backend.name, version=ack.version,
                        peer_backend=self.backend.name, peer_layout=ack.layout,
                        peer_hash=ack.layout_hash)

@@ -22,7 +22,7 @@ def node_arguments(args) -> list[str]:
     return ["--model", args.model, "--kv-dtype", args.kv_dtype, "--page-size",
             str(args.page_size), "--pool-tokens", str(args.pool_tokens), "--backend",
             args.backend, "--peer-timeout", str(args.peer_timeout), "--request-timeout",
-            str(args.request_timeout)]
+            str(args.request_timeout)] + (["--secret-file", args.secret_file] if args.secret_file else [])
 
 
 def launch(role: str, arguments: list[str], log_level: str) -> subprocess.Popen:

@@ -16,10 +16,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import zmq
 
-from dsa_bridge.transfer import protocol
+from dsa_bridge.transfer import auth, protocol
 from dsa_bridge.transfer.backends.base import BackendError, MemoryRegion, TransferBackend
 from dsa_bridge.transfer.control import ControlLoop, parse_endpoint, zmq_address
 from dsa_bridge.transfer.counters import Counters
@@ -108,7 +109,13 @@ class PrefillNode:
     def __init__(self, pool, backend: TransferBackend, *, listen: str = "127.0.0.1:0",
                  name: str = "prefill", request_timeout_s: float = 60.0,
                  peer_timeout_s: float = 5.0, heartbeat_s: float = 0.5,
-                 write_timeout_s: float = 30.0):
+                 write_timeout_s: float = 30.0, secret: bytes = b"",
+                 allow_insecure: bool = False):
+        host, port = parse_endpoint(listen, "listen")
+        if not secret and not allow_insecure and not auth.is_loopback(host):
+            raise auth.AuthError(
+                f"refusing to listen on non-loopback {host} without a shared secret: set "
+                f"{auth.SECRET_ENV} or --secret-file (or pass --insecure on a trusted network)")
         self.pool = pool
         self.layout = pool.layout
         self.backend = backend
@@ -117,6 +124,8 @@ class PrefillNode:
         self.peer_timeout_s = peer_timeout_s
         self.heartbeat_s = heartbeat_s
         self.write_timeout_s = write_timeout_s
+        self.secret = secret
+        self._replays = auth.ReplayGuard()
         self.counters = Counters()
         self.refusals: list[str] = []
         self.incoming: queue.SimpleQueue[IncomingRoom] = queue.SimpleQueue()
@@ -130,7 +139,6 @@ class PrefillNode:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._next_heartbeat = 0.0
 
-        host, port = parse_endpoint(listen, "listen")
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -301,8 +309,18 @@ class PrefillNode:
             elif not isinstance(message, protocol.Heartbeat):
                 raise protocol.ProtocolError(f"unexpected {type(message).__name__} from decode")
 
+    def _authenticate(self, hello: protocol.Hello) -> None:
+        if not self.secret:
+            return
+        if not auth.verify(self.secret, hello.auth, protocol.signed_bytes(hello)):
+            raise HandshakeError("authentication failed: no valid proof of the shared secret")
+        replay = self._replays.check(hello.nonce, hello.sent_at)
+        if replay:
+            raise HandshakeError(f"authentication failed: {replay}")
+
     def _on_hello(self, identity: bytes, hello: protocol.Hello) -> None:
         try:
+            self._authenticate(hello)
             layout = check_peer(self.layout, self.backend.name, version=hello.version,
                                 peer_backend=hello.backend, peer_layout=hello.layout,
                                 peer_hash=hello.layout_hash)
@@ -312,7 +330,7 @@ class PrefillNode:
             self.counters.add(handshakes_refused=1)
             self.refusals.append(f"{hello.node}: {exc}")
             log.warning("%s: refused %s: %s", self.name, hello.node, exc)
-            self._loop.send(self._socket, self._ack(False, str(exc)), identity)
+            self._loop.send(self._socket, self._ack(False, str(exc), hello), identity)
             return
         with self._lock:
             old = self._peers.pop(identity, None)
@@ -322,11 +340,16 @@ class PrefillNode:
                                                time.monotonic())
         self.counters.add(handshakes_ok=1)
         log.info("%s: paired with %s (%d buffers)", self.name, hello.node, len(pairs))
-        self._loop.send(self._socket, self._ack(True, ""), identity)
+        self._loop.send(self._socket, self._ack(True, "", hello), identity)
 
-    def _ack(self, ok: bool, reason: str) -> protocol.HelloAck:
-        return protocol.HelloAck(protocol.PROTOCOL_VERSION, ok, reason, self.name,
-                                 self.layout.to_dict(), self.layout.layout_hash())
+    def _ack(self, ok: bool, reason: str, hello: protocol.Hello) -> protocol.HelloAck:
+        """The answer to ``hello``, signed together with its nonce when a secret is set."""
+        ack = protocol.HelloAck(protocol.PROTOCOL_VERSION, ok, reason, self.name,
+                                self.layout.to_dict(), self.layout.layout_hash())
+        if not self.secret:
+            return ack
+        return msgspec.structs.replace(ack, auth=auth.sign(
+            self.secret, b"ack", hello.nonce, protocol.signed_bytes(ack)))
 
     def _refuse_request(self, peer: DecodePeer, room: int, reason: str) -> None:
         log.warning("%s: refused room %d from %s: %s", self.name, room, peer.node, reason)
@@ -393,7 +416,7 @@ class PrefillNode:
             for sender in list(self._senders.values()):
                 if sender.state.status not in TERMINAL and now > sender.state.deadline:
                     self._fail(sender, f"timed out after {self.request_timeout_s:.0f}s")
-                if sender.can_release() and (sender.reported or sender.room not in self._rooms
+                if sender.can_release() and (sender.reported or now > sender.state.deadline
                                              or sender.state.status == KVPoll.Success):
                     self._forget(sender.room)
             for room_id, room in list(self._rooms.items()):

@@ -35,6 +35,8 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     layout_hash: str
     engine_metadata: bytes
     buffers: list[BufferInfo]
+    nonce: bytes = b""
+    sent_at: float = 0.0
     auth: bytes = b""
 
 
@@ -45,6 +47,7 @@ class HelloAck(msgspec.Struct, frozen=True, tag="hello_ack"):
     node: str
     layout: dict
     layout_hash: str
+    auth: bytes = b""
 
 
 class RequestPages(msgspec.Struct, frozen=True, tag="request"):
@@ -87,6 +90,11 @@ _decoder = msgspec.msgpack.Decoder(Message)
 
 def encode(message: Message) -> bytes:
     return _encoder.encode(message)
+
+
+def signed_bytes(message: Hello | HelloAck) -> bytes:
+    """The bytes a signature covers: the message with its ``auth`` field empty."""
+    return encode(msgspec.structs.replace(message, auth=b""))
 
 
 def decode(data: bytes) -> Message:

@@ -46,6 +46,14 @@ log = logging.getLogger(__name__)
 _SESSION = re.compile(r"^(\d{1,3}(?:\.\d{1,3}){3}):(\d{1,5})$")
 
 
+def _is_ipv4(text: str) -> bool:
+    try:
+        ipaddress.IPv4Address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _import_engine() -> type:
     try:
         from mooncake.engine import TransferEngine
@@ -69,6 +77,7 @@ class _Outcome:
     code: int | None = None
     detail: str = ""
     first_entry: int = 0
+    abandoned: bool = False  # the caller timed out and no longer waits
 
 
 class MooncakeBackend:
@@ -84,12 +93,8 @@ class MooncakeBackend:
         device_name: str = "",
         max_batch: int = 1024,
     ) -> None:
-        try:
-            ipaddress.IPv4Address(host)
-        except ValueError as exc:
-            raise BackendError(
-                self.name, "init", f"host must be a numeric IPv4, got {host!r}"
-            ) from exc
+        if not _is_ipv4(host):
+            raise BackendError(self.name, "init", f"host must be a numeric IPv4, got {host!r}")
         if protocol not in ("tcp", "rdma"):
             raise BackendError(
                 self.name, "init", f"protocol must be 'tcp' or 'rdma', got {protocol!r}"
@@ -146,22 +151,14 @@ class MooncakeBackend:
 
     def connect(self, peer_metadata: bytes) -> str:
         """Validate a peer's session id; the handshake itself happens on the first write."""
-        with self._lock:
-            self._check_open("connect")
         session = peer_metadata.decode("ascii", errors="replace")
         match = _SESSION.match(session)
-        valid = match is not None and 0 < int(match.group(2)) < 65536
-        if valid:
-            try:
-                ipaddress.IPv4Address(match.group(1))
-            except ValueError:
-                valid = False
-        if not valid:
-            raise BackendError(
-                self.name, "connect", f"not a session id 'a.b.c.d:port': {session!r}"
-            )
         with self._lock:
             self._check_open("connect")
+            if match is None or not 0 < int(match.group(2)) < 65536 or not _is_ipv4(match[1]):
+                raise BackendError(
+                    self.name, "connect", f"not a session id 'a.b.c.d:port': {session!r}"
+                )
             self._peers.setdefault(session, threading.Lock())
         return session
 
@@ -188,13 +185,18 @@ class MooncakeBackend:
                 self.name, "write", "an earlier write to this peer is still running", peer=peer
             )
         outcome = _Outcome()
-        threading.Thread(
-            target=self._run_batches,
-            args=(engine, peer, peer_lock, src, dst, length, outcome),
-            name=f"mooncake-write-{peer}",
-            daemon=True,
-        ).start()
+        try:
+            threading.Thread(
+                target=self._run_batches,
+                args=(engine, peer, peer_lock, src, dst, length, outcome),
+                name=f"mooncake-write-{peer}",
+                daemon=True,
+            ).start()
+        except RuntimeError as exc:  # no thread could be started
+            peer_lock.release()
+            raise BackendError(self.name, "write", str(exc), peer=peer) from exc
         if not outcome.done.wait(max(0.0, deadline - time.monotonic())):
+            outcome.abandoned = True
             raise TransferTimeout(
                 self.name, "write", f"{len(src)} entries not done after {timeout_s} s", peer=peer
             )
@@ -239,6 +241,12 @@ class MooncakeBackend:
         finally:
             peer_lock.release()
             outcome.done.set()
+            if outcome.abandoned:
+                log.warning(
+                    "mooncake: a timed-out write to %s ended only now (%s)",
+                    peer,
+                    f"{outcome.failed_call} failed" if outcome.failed_call else "completed",
+                )
 
     def progress(self) -> None:
         """Nothing to do: the engine runs its own threads."""

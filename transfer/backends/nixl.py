@@ -53,8 +53,8 @@ _POLL_SPIN = 200  # polls before the wait starts sleeping
 _POLL_MAX_SLEEP_S = 0.001
 
 
-def _import_nixl() -> tuple[object, object, tuple[type[BaseException], ...]]:
-    """``(_api, _bindings, the nixl exception classes)`` from the first NIXL package found."""
+def _import_nixl() -> tuple[Any, tuple[type[Exception], ...]]:
+    """``(its _api module, its exception classes)`` from the first NIXL package found."""
     missing = []
     for module in _MODULES:
         try:
@@ -62,16 +62,29 @@ def _import_nixl() -> tuple[object, object, tuple[type[BaseException], ...]]:
         except ImportError as exc:
             missing.append(f"{module}: {exc}")
             continue
-        bindings = api.nixlBind
         errors = tuple(
             value
-            for key, value in vars(bindings).items()
+            for key, value in vars(api.nixlBind).items()
             if key.startswith("nixl") and isinstance(value, type) and issubclass(value, Exception)
         )
-        return api, bindings, errors
+        return api, errors
     raise BackendUnavailable(
         "nixl", "import", f"no NIXL package ({'; '.join(missing)}); install nixl-cu12 (bundles UCX)"
     )
+
+
+def _parse_metadata(data: bytes) -> tuple[str, list[MemoryRegion], bytes]:
+    """``(agent name, announced regions, NIXL agent metadata)`` from what ``metadata()`` built."""
+    try:
+        if not data.startswith(_MAGIC):
+            raise ValueError("not dsa-bridge NIXL metadata")
+        start = len(_MAGIC) + 4
+        size = int.from_bytes(data[len(_MAGIC) : start], "big")
+        header = json.loads(data[start : start + size])
+        regions = [MemoryRegion(int(p), int(n), str(d)) for p, n, d in header["regions"]]
+        return str(header["agent"]), regions, data[start + size :]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BackendError("nixl", "connect", f"malformed peer metadata: {exc}") from exc
 
 
 def _is_loopback(host: str) -> bool:
@@ -96,7 +109,7 @@ class NixlBackend:
         if not rdma_devices():
             defaults["UCX_MODULES"] = "^ib"
         with env_defaults(defaults):
-            api, self._bindings, self._errors = _import_nixl()
+            api, self._errors = _import_nixl()
             self.agent_name = agent_name or f"dsa-bridge-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             ucx = ", ".join(f"{key}={os.environ.get(key, '<unset>')}" for key in _UCX_SETTINGS)
             config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
@@ -166,24 +179,15 @@ class NixlBackend:
         """Load a peer's agent metadata and remember its regions; returns the peer agent's name."""
         with self._lock:
             self._check_open("connect")
-        try:
-            if not peer_metadata.startswith(_MAGIC):
-                raise ValueError("not dsa-bridge NIXL metadata")
-            start = len(_MAGIC) + 4
-            size = int.from_bytes(peer_metadata[len(_MAGIC) : start], "big")
-            header = json.loads(peer_metadata[start : start + size])
-            agent_md = peer_metadata[start + size :]
-            regions = [MemoryRegion(int(p), int(n), str(d)) for p, n, d in header["regions"]]
-            expected = str(header["agent"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise BackendError(self.name, "connect", f"malformed peer metadata: {exc}") from exc
-        table = RegionTable(self.name)
-        if regions:
-            table.check_new(regions)
-        for region in regions:
-            table.add(region)
-        with self._lock:
-            self._check_open("connect")
+            expected, regions, agent_md = _parse_metadata(peer_metadata)
+            table = RegionTable(self.name)
+            try:
+                if regions:
+                    table.check_new(regions)
+            except BackendError as exc:
+                raise BackendError(self.name, "connect", f"peer announced {exc}") from exc
+            for region in regions:
+                table.add(region)
             loaded = self._call(
                 "add_remote_agent", expected, self._agent.add_remote_agent, agent_md
             )
@@ -217,8 +221,9 @@ class NixlBackend:
             handles: list[object] = []
             try:
                 for (local_mem, local_descs), (remote_mem, remote_descs) in lists:
-                    local = self._agent.get_xfer_descs(local_descs, local_mem)
-                    far = self._agent.get_xfer_descs(remote_descs, remote_mem)
+                    describe = self._agent.get_xfer_descs
+                    local = self._call("get_xfer_descs", peer, describe, local_descs, local_mem)
+                    far = self._call("get_xfer_descs", peer, describe, remote_descs, remote_mem)
                     handle = self._call(
                         "initialize_xfer",
                         peer,
@@ -247,6 +252,8 @@ class NixlBackend:
         pending, polls = list(handles), 0
         while True:
             with self._lock:
+                if self._closed:
+                    raise BackendError(self.name, "write", "backend closed during the write")
                 states = [
                     self._call("check_xfer_state", peer, self._agent.check_xfer_state, h)
                     for h in pending

@@ -32,8 +32,9 @@ log = logging.getLogger("dsa_bridge")
 def add_pool_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="deepseek-v3.2",
                         help="preset (deepseek-v3.2, glm-5.2) or a path to a config.json")
-    parser.add_argument("--kv-dtype", default="fp8", choices=("fp8", "fp8_raw", "bf16"),
-                        help="MLA KV layout: fp8 = 656-byte flashmla row (default)")
+    parser.add_argument("--kv-dtype", choices=("fp8", "fp8_raw", "bf16"),
+                        help="MLA KV layout: fp8 = 656-byte FlashMLA row, fp8_raw = 576 bytes, bf16; "
+                             "default: the preset's (fp8_raw for glm-5.2), else fp8")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--pool-tokens", type=int, default=DEFAULT_POOL_TOKENS,
                         help="token slots in the pool, a multiple of the page size "
@@ -92,21 +93,26 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
-def make_pool(args):
-    from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
-    from dsa_bridge.plugin.layout import load_model_config
-
-    layout = DSALayout.from_hf_config(load_model_config(args.model), page_size=args.page_size,
-                                      kv_dtype=args.kv_dtype)
-    return DSATokenToKVPool.from_layout(layout, size=args.pool_tokens)
-
-
-def cmd_pool(args) -> int:
-    from dsa_bridge.plugin import DSALayout, sizing
+def make_layout(args) -> tuple[dict, object]:
+    """The model config and the pool layout the options describe."""
+    from dsa_bridge.plugin import DSALayout
     from dsa_bridge.plugin.layout import load_model_config
 
     config = load_model_config(args.model)
-    layout = DSALayout.from_hf_config(config, page_size=args.page_size, kv_dtype=args.kv_dtype)
+    kv_dtype = args.kv_dtype or config.get("dsa_bridge_kv_dtype", "fp8")
+    return config, DSALayout.from_hf_config(config, page_size=args.page_size, kv_dtype=kv_dtype)
+
+
+def make_pool(args):
+    from dsa_bridge.plugin import DSATokenToKVPool
+
+    return DSATokenToKVPool.from_layout(make_layout(args)[1], size=args.pool_tokens)
+
+
+def cmd_pool(args) -> int:
+    from dsa_bridge.plugin import sizing
+
+    config, layout = make_layout(args)
     budget = int(args.budget_gib * 2**30)
     info = {
         "model": args.model, "layers": layout.num_layers, "kv_dtype": layout.kv_dtype,
@@ -182,7 +188,7 @@ def cmd_decode(args) -> int:
             "engine_gbps": round(report.engine_gbps, 3), "seconds": round(report.seconds, 3),
             "transfer_seconds": round(report.transfer_seconds, 3), "backend": args.backend,
             "transport": node.backend.transport(), "model": args.model,
-            "kv_dtype": args.kv_dtype, "page_size": pool.page_size,
+            "kv_dtype": pool.layout.kv_dtype, "page_size": pool.page_size,
             "concurrency": args.concurrency, "failures": report.failures[:20],
             "counters": node.counters.snapshot(), "ok": report.ok,
         }

@@ -19,10 +19,14 @@ from dsa_bridge.transfer.summary import print_summary
 
 
 def node_arguments(args) -> list[str]:
-    return ["--model", args.model, "--kv-dtype", args.kv_dtype, "--page-size",
-            str(args.page_size), "--pool-tokens", str(args.pool_tokens), "--backend",
-            args.backend, "--peer-timeout", str(args.peer_timeout), "--request-timeout",
-            str(args.request_timeout)] + (["--secret-file", args.secret_file] if args.secret_file else [])
+    arguments = ["--model", args.model, "--page-size", str(args.page_size), "--pool-tokens",
+                 str(args.pool_tokens), "--backend", args.backend, "--peer-timeout",
+                 str(args.peer_timeout), "--request-timeout", str(args.request_timeout)]
+    if args.kv_dtype:
+        arguments += ["--kv-dtype", args.kv_dtype]
+    if args.secret_file:
+        arguments += ["--secret-file", args.secret_file]
+    return arguments
 
 
 def launch(role: str, arguments: list[str], log_level: str) -> subprocess.Popen:

@@ -40,9 +40,7 @@ def create_backend(name: str, *, host: str = "127.0.0.1", **options: object) -> 
         from .nixl import NixlBackend
 
         return NixlBackend(host=host, **options)
-    raise BackendUnavailable(
-        name, "create", f"unknown backend; choose one of {', '.join(BACKENDS)}"
-    )
+    raise BackendUnavailable(name, "create", f"unknown backend; choose one of {', '.join(BACKENDS)}")
 
 
 def device_index(backend: str, region: MemoryRegion) -> int | None:
@@ -161,9 +159,7 @@ class RegionTable:
                     same = (region.ptr, region.nbytes) == (other.ptr, other.nbytes)
                     where = "registered" if i < registered else "given"
                     what = "duplicates" if same else "overlaps"
-                    raise BackendError(
-                        self.backend, "register", f"{region}: {what} {where} {other}"
-                    )
+                    raise BackendError(self.backend, "register", f"{region}: {what} {where} {other}")
             accepted.append(region)
 
     def add(self, region: MemoryRegion) -> None:
@@ -182,9 +178,7 @@ class RegionTable:
         self.on_cuda = np.array([d is not None for d in devices], dtype=bool)
         self.device_ids = np.array([d or 0 for d in devices], dtype=np.uint64)
 
-    def locate(
-        self, label: str, addr: np.ndarray, length: np.ndarray, *, peer: str = ""
-    ) -> np.ndarray:
+    def locate(self, label: str, addr: np.ndarray, length: np.ndarray, *, peer: str = "") -> np.ndarray:
         """The sorted slot of the region holding each range; a range outside all is an error."""
         slot = np.searchsorted(self._starts, addr, side="right").astype(np.int64) - 1
         inside = slot >= 0
@@ -195,8 +189,7 @@ class RegionTable:
             raise BackendError(
                 self.backend,
                 "write",
-                f"{label}[{i}] = {int(addr[i]):#x} + {int(length[i])} lies outside every region "
-                f"{owner}",
+                f"{label}[{i}] = {int(addr[i]):#x} + {int(length[i])} lies outside every region {owner}",
                 peer=peer,
             )
         return slot

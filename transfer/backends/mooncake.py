@@ -96,25 +96,21 @@ class MooncakeBackend:
         if not _is_ipv4(host):
             raise BackendError(self.name, "init", f"host must be a numeric IPv4, got {host!r}")
         if protocol not in ("tcp", "rdma"):
-            raise BackendError(
-                self.name, "init", f"protocol must be 'tcp' or 'rdma', got {protocol!r}"
-            )
+            raise BackendError(self.name, "init", f"protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if not 1 <= max_batch <= 1024:
             raise BackendError(self.name, "init", f"max_batch must be in 1..1024, got {max_batch}")
-        self.host, self.max_batch = host, max_batch
+        self.max_batch = max_batch
         devices = rdma_devices(device_name)
         defaults = {"MC_LOG_LEVEL": "ERROR"}  # read when mooncake.engine is first imported
         if protocol == "tcp" and devices:
             defaults["MC_FORCE_TCP"] = "1"
         with env_defaults(defaults):
             engine_class = _import_engine()
-            forced_tcp = bool(os.environ.get("MC_FORCE_TCP"))
+            forced_tcp = "MC_FORCE_TCP" in os.environ  # any value counts, as in the engine
             engine = engine_class()
             rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
-            raise BackendUnavailable(
-                self.name, "initialize", f"engine did not start on {host}", code=rc
-            )
+            raise BackendUnavailable(self.name, "initialize", f"engine did not start on {host}", code=rc)
         self._transport = "rdma" if devices and not forced_tcp else "tcp"
         if protocol == "rdma" and self._transport == "tcp":
             log.warning(
@@ -156,9 +152,7 @@ class MooncakeBackend:
         with self._lock:
             self._check_open("connect")
             if match is None or not 0 < int(match.group(2)) < 65536 or not _is_ipv4(match[1]):
-                raise BackendError(
-                    self.name, "connect", f"not a session id 'a.b.c.d:port': {session!r}"
-                )
+                raise BackendError(self.name, "connect", f"not a session id 'a.b.c.d:port': {session!r}")
             self._peers.setdefault(session, threading.Lock())
         return session
 

@@ -8,15 +8,17 @@ Facts this module is built on (nixl-cu12 1.5.1 with its bundled UCX 1.23, see do
   call ``progress()`` every few ms or the first transfer into it hangs, and the agent is not
   thread-safe in that mode — every agent call here holds one lock (NIXL calls this mode
   "caller-serialised"). A write releases the lock between polls so ``progress()`` can run.
-- There is no transfer timeout: a write to a frozen peer stays "PROC". ``write`` polls with its
-  own deadline, then releases (cancels) the request and raises TransferTimeout.
+- There is no transfer timeout: a write that needs an unresponsive peer (to wire up, or over
+  UCX tcp) stays "PROC" forever. ``write`` polls with its own deadline, then releases (cancels)
+  the request and raises TransferTimeout. (Over CMA, once wired up, a write into a stopped
+  process completes: process_vm_writev needs nothing from it.)
 - A NIXL transfer needs the memory type and device of the *remote* descriptors, which the agent
   metadata does not tell us in a usable form. ``metadata()`` therefore wraps the agent metadata
   with the list of regions registered here; ``connect`` reads both, and ``write`` checks every
   destination range against them before the engine sees it.
-- ``initialize_xfer`` and ``prep_xfer_dlist`` + ``make_prepped_xfer`` move non-adjacent DSA-sized
-  descriptors equally fast; the prepped path is only faster when it can merge adjacent
-  descriptors, which the planner has already coalesced. So writes use ``initialize_xfer``.
+- ``prep_xfer_dlist`` + ``make_prepped_xfer`` moves DSA-sized descriptors that lie apart as fast
+  as ``initialize_xfer`` (or a little faster), and 1.3-2.8x faster when descriptors are adjacent
+  on both sides, because it merges them. Writes use the prepped path.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ class NixlBackend:
         self._regions = RegionTable(self.name)
         self._reg_lists: dict[int, object] = {}
         self._peers: dict[str, RegionTable] = {}
-        self._unreleased: list[object] = []
+        self._unreleased: list[tuple[object, ...]] = []
         self._closed = False
         log.info("nixl: agent %s up, transport %s", self.agent_name, self._transport)
 
@@ -167,9 +169,7 @@ class NixlBackend:
             header = json.dumps(
                 {
                     "agent": self.agent_name,
-                    "regions": [
-                        [r.ptr, r.nbytes, r.device] for r in self._regions.regions.values()
-                    ],
+                    "regions": [[r.ptr, r.nbytes, r.device] for r in self._regions.regions.values()],
                 }
             ).encode()
             agent_md = self._call("get_agent_metadata", "", self._agent.get_agent_metadata)
@@ -188,14 +188,10 @@ class NixlBackend:
                 raise BackendError(self.name, "connect", f"peer announced {exc}") from exc
             for region in regions:
                 table.add(region)
-            loaded = self._call(
-                "add_remote_agent", expected, self._agent.add_remote_agent, agent_md
-            )
+            loaded = self._call("add_remote_agent", expected, self._agent.add_remote_agent, agent_md)
             peer = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if peer != expected:
-                raise BackendError(
-                    self.name, "connect", f"metadata names agent {peer}", peer=expected
-                )
+                raise BackendError(self.name, "connect", f"metadata names agent {peer}", peer=expected)
             self._peers[peer] = table
         return peer
 
@@ -218,36 +214,60 @@ class NixlBackend:
             local_slot = self._regions.locate("src", src, length)
             remote_slot = remote.locate("dst", dst, length, peer=peer)
             lists = _xfer_lists(self._regions, local_slot, src, length, remote, remote_slot, dst)
-            handles: list[object] = []
+            requests: list[tuple[object, ...]] = []
             try:
                 for (local_mem, local_descs), (remote_mem, remote_descs) in lists:
-                    describe = self._agent.get_xfer_descs
-                    local = self._call("get_xfer_descs", peer, describe, local_descs, local_mem)
-                    far = self._call("get_xfer_descs", peer, describe, remote_descs, remote_mem)
-                    handle = self._call(
-                        "initialize_xfer",
-                        peer,
-                        self._agent.initialize_xfer,
-                        "WRITE",
-                        local,
-                        far,
-                        peer,
-                    )
-                    handles.append(handle)
-                    if self._call("transfer", peer, self._agent.transfer, handle) == "ERR":
-                        raise BackendError(self.name, "transfer", "posting failed", peer=peer)
+                    requests.append(self._post(peer, local_mem, local_descs, remote_mem, remote_descs))
             except BaseException:
-                self._release(handles)
+                self._release(requests)
                 raise
         try:
-            self._wait(peer, handles, deadline, len(src), timeout_s)
+            self._wait(peer, [request[0] for request in requests], deadline, len(src), timeout_s)
         finally:
             with self._lock:
-                self._release(handles)
+                self._release(requests)
 
-    def _wait(
-        self, peer: str, handles: list[object], deadline: float, count: int, timeout_s: float
-    ) -> None:
+    def _post(
+        self,
+        peer: str,
+        local_mem: str,
+        local_descs: np.ndarray,
+        remote_mem: str,
+        remote_descs: np.ndarray,
+    ) -> tuple[object, object, object]:
+        """Prepare both descriptor lists, make the request and post it: (request, list, list).
+
+        The prepped path is as fast as ``initialize_xfer`` for descriptors that are apart, and
+        much faster when some are adjacent on both sides, because it merges them.
+        """
+        agent = self._agent
+        mine = self._call("prep_xfer_dlist", peer, agent.prep_xfer_dlist, "", local_descs, local_mem)
+        try:
+            theirs = self._call(
+                "prep_xfer_dlist", peer, agent.prep_xfer_dlist, peer, remote_descs, remote_mem
+            )
+        except BackendError:
+            mine.release()
+            raise
+        index = np.arange(len(local_descs), dtype=np.int32)
+        try:
+            request = self._call(
+                "make_prepped_xfer", peer, agent.make_prepped_xfer, "WRITE", mine, index, theirs, index
+            )
+        except BackendError:
+            mine.release()
+            theirs.release()
+            raise
+        posted = (request, mine, theirs)
+        try:
+            if self._call("transfer", peer, agent.transfer, request) == "ERR":
+                raise BackendError(self.name, "transfer", "posting failed", peer=peer)
+        except BackendError:
+            self._release([posted])
+            raise
+        return posted
+
+    def _wait(self, peer: str, handles: list[object], deadline: float, count: int, timeout_s: float) -> None:
         """Poll the requests until all are DONE; spin briefly, then back off to 1 ms sleeps."""
         pending, polls = list(handles), 0
         while True:
@@ -255,13 +275,10 @@ class NixlBackend:
                 if self._closed:
                     raise BackendError(self.name, "write", "backend closed during the write")
                 states = [
-                    self._call("check_xfer_state", peer, self._agent.check_xfer_state, h)
-                    for h in pending
+                    self._call("check_xfer_state", peer, self._agent.check_xfer_state, h) for h in pending
                 ]
             if "ERR" in states:
-                raise BackendError(
-                    self.name, "check_xfer_state", "transfer in ERR state", peer=peer
-                )
+                raise BackendError(self.name, "check_xfer_state", "transfer in ERR state", peer=peer)
             pending = [h for h, state in zip(pending, states, strict=True) if state != "DONE"]
             if not pending:
                 return
@@ -323,16 +340,22 @@ class NixlBackend:
         except self._errors as exc:
             raise BackendError(self.name, op, f"{type(exc).__name__}: {exc}", peer=peer) from exc
 
-    def _release(self, handles: list[object]) -> None:
-        """Release (cancel if still running) each request; keep the ones NIXL refuses for later."""
+    def _release(self, requests: list[tuple[object, ...]]) -> None:
+        """Release (cancelling if still running) each request, then its descriptor lists.
+
+        A request NIXL refuses to release keeps its lists; both are retried by ``progress()``.
+        """
         kept = []
-        for handle in handles:
+        for request, *lists in requests:
             try:
-                handle.release()
+                request.release()
             except self._errors as exc:
                 log.warning("nixl: cannot release a transfer request yet: %s", exc)
-                kept.append(handle)
-        self._unreleased = [h for h in self._unreleased if h not in handles] + kept
+                kept.append((request, *lists))
+                continue
+            for dlist in lists:
+                dlist.release()
+        self._unreleased = [r for r in self._unreleased if r not in requests] + kept
 
     def _deregister(self, region: MemoryRegion) -> None:
         reg = self._reg_lists.pop(region.ptr)
@@ -369,8 +392,6 @@ def _xfer_lists(
             if not pick.any():
                 continue
             mine = np.column_stack((src[pick], length[pick], local.device_ids[local_slot[pick]]))
-            theirs = np.column_stack(
-                (dst[pick], length[pick], remote.device_ids[remote_slot[pick]])
-            )
+            theirs = np.column_stack((dst[pick], length[pick], remote.device_ids[remote_slot[pick]]))
             lists.append((("VRAM" if lc else "DRAM", mine), ("VRAM" if rc else "DRAM", theirs)))
     return lists

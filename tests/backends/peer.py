@@ -1,0 +1,125 @@
+"""A passive peer in its own OS process: one backend, one registered torch buffer, a command pipe.
+
+The parent talks to it over a multiprocessing Pipe only (NIXL and UCX print to stdout, so stdout
+is never a channel). The child announces ``(metadata, buffer address, size)``, then serves — it
+calls ``progress()`` every ~2 ms — until told to stop or until its lifetime runs out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import signal
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+SENTINEL = 0xA5
+REPLY_TIMEOUT_S = 30.0
+
+
+def serve(conn: Connection, backend: str, nbytes: int, lifetime_s: float, env: dict[str, str]) -> None:
+    """The child's main: everything it does is bounded by ``lifetime_s``."""
+    os.environ.update(env)
+    import torch
+
+    from dsa_bridge.transfer.backends import create_backend
+    from dsa_bridge.transfer.backends.base import MemoryRegion
+
+    try:
+        engine = create_backend(backend)
+        buf = torch.full((nbytes,), SENTINEL, dtype=torch.uint8)
+        engine.register([MemoryRegion(buf.data_ptr(), nbytes, "cpu")])
+    except Exception as exc:
+        conn.send(("error", repr(exc), 0, 0))
+        return
+    conn.send(("ready", engine.metadata(), buf.data_ptr(), nbytes))
+    view = buf.numpy()
+    end = time.monotonic() + lifetime_s
+    while time.monotonic() < end:
+        if not conn.poll(0.002):
+            engine.progress()
+            continue
+        command, *args = conn.recv()
+        if command == "stop":
+            break
+        if command == "fill":
+            buf.fill_(args[0])
+            conn.send("ok")
+        elif command == "digest":
+            conn.send(hashlib.sha256(view.tobytes()).hexdigest())
+        elif command == "read":
+            offset, size = args
+            conn.send(view[offset : offset + size].tobytes())
+        else:
+            conn.send(f"unknown command {command!r}")
+    engine.close()
+    engine.close()  # idempotent
+    conn.send("closed")
+
+
+@dataclass
+class Peer:
+    """The parent's handle on a peer process."""
+
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    metadata: bytes
+    addr: int
+    nbytes: int
+
+    def ask(self, *command: object) -> object:
+        self.conn.send(command)
+        if not self.conn.poll(REPLY_TIMEOUT_S):
+            raise TimeoutError(f"peer {self.process.pid} did not answer {command[0]!r}")
+        return self.conn.recv()
+
+    def signal(self, signum: int) -> None:
+        try:
+            os.kill(self.process.pid, signum)
+        except ProcessLookupError:
+            pass  # already gone
+
+    def stop(self) -> int | None:
+        """Ask it to stop; kill it by PID if it does not within a few seconds. Returns exit code."""
+        if self.process.is_alive():
+            self.signal(signal.SIGCONT)
+            try:
+                self.conn.send(("stop",))
+            except OSError:
+                pass
+            self.process.join(10)
+        if self.process.is_alive():
+            self.signal(signal.SIGKILL)
+            self.process.join(5)
+        self.conn.close()
+        return self.process.exitcode
+
+
+def start_peer(
+    backend: str, nbytes: int, *, lifetime_s: float = 120.0, env: dict[str, str] | None = None
+) -> Peer:
+    """Spawn a peer (``env`` added to its environment); wait, bounded, for it to announce itself."""
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(
+        target=serve,
+        args=(child, backend, nbytes, lifetime_s, env or {}),
+        name=f"peer-{backend}",
+        daemon=True,
+    )
+    process.start()
+    child.close()
+    if not parent.poll(REPLY_TIMEOUT_S):
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(5)
+        raise TimeoutError(f"{backend} peer {process.pid} did not start")
+    try:
+        status, metadata, addr, size = parent.recv()
+    except EOFError:
+        status, metadata = "error", "it exited"
+    if status != "ready":
+        process.join(5)
+        raise RuntimeError(f"{backend} peer {process.pid} failed to start: {metadata}")
+    return Peer(process, parent, metadata, addr, size)

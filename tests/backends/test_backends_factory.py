@@ -1,0 +1,75 @@
+"""The factory: lazy engine imports, clear errors when an engine cannot be used."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dsa_bridge.transfer.backends import BACKENDS, create_backend
+from dsa_bridge.transfer.backends.base import BackendError, BackendUnavailable
+
+ENGINE_MODULES = {
+    "mooncake": ("mooncake", "mooncake.engine"),
+    "nixl": ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"),
+}
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_importing_the_package_imports_no_engine() -> None:
+    code = (
+        "import sys, dsa_bridge.transfer.backends, dsa_bridge.transfer.backends.mooncake, "
+        "dsa_bridge.transfer.backends.nixl\n"
+        "loaded = [m for m in sys.modules if m.split('.')[0] in "
+        "('mooncake', 'nixl', 'nixl_cu12', 'nixl_cu13', 'torch')]\n"
+        "sys.exit(1 if loaded else 0)"
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+
+
+def test_unknown_backend() -> None:
+    assert BACKENDS == ("mooncake", "nixl")
+    with pytest.raises(BackendUnavailable, match="mooncake, nixl"):
+        create_backend("gloo")
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_missing_package_names_what_to_install(name: str, monkeypatch) -> None:
+    for module in ENGINE_MODULES[name]:
+        monkeypatch.setitem(sys.modules, module, None)
+    wheel = {"mooncake": "mooncake-transfer-engine", "nixl": "nixl-cu12"}[name]
+    with pytest.raises(BackendUnavailable, match=wheel):
+        create_backend(name)
+
+
+def test_nixl_without_a_usable_ucx_transport_is_unavailable() -> None:
+    code = (
+        "import sys\n"
+        "from dsa_bridge.transfer.backends import create_backend\n"
+        "from dsa_bridge.transfer.backends.base import BackendError, BackendUnavailable\n"
+        "try:\n"
+        "    create_backend('nixl')\n"
+        "except BackendUnavailable as exc:\n"
+        "    sys.stderr.write(str(exc))\n"
+        "    sys.exit(3)\n"
+    )
+    result = run_python(code, UCX_TLS="no-such-transport")
+    assert result.returncode == 3, result.stderr
+    assert "UCX_TLS=no-such-transport" in result.stderr
+
+
+def test_mooncake_refuses_a_host_name() -> None:
+    with pytest.raises(BackendError, match="numeric IPv4"):
+        create_backend("mooncake", host="localhost")

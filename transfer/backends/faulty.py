@@ -1,0 +1,91 @@
+"""TEST-ONLY fault injection at the backend seam: wraps a real backend and makes writes misbehave.
+
+Never use this in production. The reliability tests (tests/reliability) select it in a
+``dsa-bridge prefill`` process through the environment, read once at start-up:
+
+- ``DSA_BRIDGE_FAULT_WRITE_EVERY=N``: every Nth write writes the first half of its descriptors,
+  then raises BackendError, as a failed Mooncake batch leaves part of its data written;
+- ``DSA_BRIDGE_FAULT_WRITE_DELAY_MS=D``: every write writes the first half of its descriptors,
+  sleeps D ms, then writes the rest, so a write stays in flight (bytes still landing) long enough
+  for a test to abort its request or kill a node meanwhile.
+
+Everything else is passed through to the wrapped backend unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+
+from .base import BackendError, MemoryRegion, TransferBackend
+
+log = logging.getLogger(__name__)
+
+EVERY_ENV = "DSA_BRIDGE_FAULT_WRITE_EVERY"
+DELAY_ENV = "DSA_BRIDGE_FAULT_WRITE_DELAY_MS"
+
+
+class FaultyBackend:
+    """A TransferBackend whose writes fail every ``fail_every``-th call and/or land slowly."""
+
+    def __init__(self, inner: TransferBackend, *, fail_every: int = 0, delay_s: float = 0.0):
+        if fail_every < 0 or delay_s < 0:
+            raise ValueError(f"fail_every and delay_s must be >= 0, got {fail_every}, {delay_s}")
+        self.inner = inner
+        self.name = inner.name
+        self.fail_every = fail_every
+        self.delay_s = delay_s
+        self.writes = 0
+        self.in_flight = threading.Event()  # set while a delayed write has landed only half
+        self._lock = threading.Lock()
+
+    def register(self, regions: list[MemoryRegion]) -> None:
+        self.inner.register(regions)
+
+    def metadata(self) -> bytes:
+        return self.inner.metadata()
+
+    def connect(self, peer_metadata: bytes) -> str:
+        return self.inner.connect(peer_metadata)
+
+    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *,
+              timeout_s: float) -> None:
+        with self._lock:
+            self.writes += 1
+            fail = self.fail_every and self.writes % self.fail_every == 0
+        half = max(1, len(src) // 2)
+        self.inner.write(peer, src[:half], dst[:half], length[:half], timeout_s=timeout_s)
+        if fail:
+            raise BackendError(self.name, "write", f"injected failure (write {self.writes}, every "
+                                                   f"{self.fail_every}); half the data written",
+                               peer=peer, code=-1)
+        if self.delay_s:
+            self.in_flight.set()
+            time.sleep(self.delay_s)
+            self.in_flight.clear()
+        if half < len(src):
+            self.inner.write(peer, src[half:], dst[half:], length[half:], timeout_s=timeout_s)
+
+    def progress(self) -> None:
+        self.inner.progress()
+
+    def transport(self) -> str:
+        return self.inner.transport()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def wrap_from_env(backend: TransferBackend, environ=os.environ) -> TransferBackend:
+    """``backend`` wrapped in a FaultyBackend when a fault variable is set, else unchanged."""
+    every = int(environ.get(EVERY_ENV, "0") or 0)
+    delay_ms = float(environ.get(DELAY_ENV, "0") or 0)
+    if not every and not delay_ms:
+        return backend
+    log.warning("TEST-ONLY fault injection active: fail every %d writes, delay %.0f ms",
+                every, delay_ms)
+    return FaultyBackend(backend, fail_every=every, delay_s=delay_ms / 1000)

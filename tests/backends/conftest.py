@@ -15,6 +15,7 @@ import pytest
 from dsa_bridge.transfer.backends import BACKENDS, create_backend
 from dsa_bridge.transfer.backends.base import MemoryRegion
 
+from ..conftest import require_engine
 from .helpers import Local
 from .peer import SENTINEL, Peer, start_peer
 
@@ -24,6 +25,7 @@ SOURCE_BYTES = 128 << 20
 
 @pytest.fixture(scope="session", params=BACKENDS)
 def backend_name(request: pytest.FixtureRequest) -> str:
+    require_engine(request.param)
     return request.param
 
 

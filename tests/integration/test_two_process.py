@@ -7,10 +7,12 @@ the test process and checks every byte, the sentinel of every untouched page, an
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import numpy as np
 import pytest
+import torch
 
 from dsa_bridge.plugin import DSALayout
 from dsa_bridge.transfer import protocol
@@ -20,6 +22,7 @@ from dsa_bridge.transfer.handshake import HandshakeError
 from dsa_bridge.transfer.request import KVPoll
 from dsa_bridge.transfer.roles import count_mismatches, reset_pages, sentinel_intact
 
+from ..conftest import require_engine
 from ..transfer.helpers import wait_for
 from .processes import NODE_ENV, PrefillProcess, cli
 
@@ -37,6 +40,7 @@ def decode_pool(layout=DEEPSEEK, tokens=POOL_TOKENS):
 
 @pytest.fixture(params=BACKENDS, scope="module")
 def backend(request):
+    require_engine(request.param)
     return request.param
 
 
@@ -153,9 +157,30 @@ def test_demo_command_verifies_every_byte(backend):
     result = subprocess.run(
         cli("demo", "--backend", backend, "--requests", "6", "--pool-tokens", "8192",
             "--max-tokens", "2048", "--json"),
-        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, **NODE_ENV})
+        capture_output=True, text=True, timeout=300, env={**os.environ, **NODE_ENV})
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["requests_ok"] == 6 and summary["requests_failed"] == 0
     assert summary["layers"] == 61 and summary["bytes_verified"] > 0
     assert summary["sentinel_intact"] and summary["counters"]["bytes"] == summary["bytes_verified"]
+
+
+def test_both_engines_deliver_identical_bytes(tmp_path):
+    for name in BACKENDS:
+        require_engine(name)
+    pages = np.random.default_rng(5).permutation(np.arange(1, 96))[:40]
+    pools = {}
+    for name in BACKENDS:
+        prefill = PrefillProcess(tmp_path, name, "--pool-tokens", str(POOL_TOKENS))
+        try:
+            with DecodeNode(decode_pool(), create_backend(name), prefill.endpoint) as node:
+                receivers = run(node, [(700, pages[:25].tolist()), (701, pages[25:].tolist())])
+                assert all(r.poll() == KVPoll.Success for r, _ in receivers)
+                pools[name] = node.pool
+        finally:
+            prefill.stop()
+    first, second = (pools[name] for name in BACKENDS)
+    for layer in DEEPSEEK.layer_ids:
+        for kind in ("kv", "index"):
+            assert torch.equal(first.page_view(layer, kind), second.page_view(layer, kind)), (layer, kind)
+    assert count_mismatches(first, 700, pages[:25]) == 0

@@ -270,6 +270,11 @@ class PrefillNode:
                 in_flight = True
                 self._fail(sender, f"engine write failed: {exc}", in_flight=True)
                 continue
+            except Exception as exc:  # a bug must fail the request, not stop the writer
+                log.exception("%s: room %d: writing a chunk failed", self.name, sender.room)
+                in_flight = True
+                self._fail(sender, f"internal error: {type(exc).__name__}: {exc}", in_flight=True)
+                continue
             finally:
                 with self._lock:
                     sender.busy -= 1

@@ -142,10 +142,15 @@ class PrefillNode:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        if port == 0:
-            port = self._socket.bind_to_random_port(zmq_address(host, "*").rsplit(":", 1)[0])
-        else:
-            self._socket.bind(zmq_address(host, port))
+        try:
+            if port == 0:
+                port = self._socket.bind_to_random_port(zmq_address(host, 0).rsplit(":", 1)[0])
+            else:
+                self._socket.bind(zmq_address(host, port))
+        except zmq.ZMQError as exc:
+            self._context.destroy(0)
+            self.backend.close()
+            raise OSError(f"cannot listen on {listen}: {exc}") from exc
         self.endpoint = f"{host}:{port}"
         self._loop = ControlLoop(name, self._on_message, self._on_tick)
         self._loop.add_socket(self._socket)

@@ -293,3 +293,11 @@ def test_request_deadline(nodes):
     receiver.init([1])
     wait_for(lambda: receiver.poll() == KVPoll.Failed, timeout_s=5.0)
     assert "timed out" in str(receiver.failure_exception())
+
+
+def test_listen_on_a_busy_port_is_a_clear_error():
+    engine = FakeBackend()
+    with PrefillNode(make_pool(), FakeBackend()) as first:
+        with pytest.raises(OSError, match=f"cannot listen on {first.endpoint}"):
+            PrefillNode(make_pool(), engine, listen=first.endpoint)
+    assert engine.closed

@@ -1,13 +1,17 @@
 """The control-plane loop: one thread owns a node's ZMQ sockets.
 
-Other threads never touch a socket; they queue messages with ``send``. The loop sends what is
-queued, decodes what arrives (a malformed message is counted and dropped, never fatal), and
-calls the node's ``on_tick`` every few milliseconds for heartbeats, deadlines and engine progress.
+Other threads never touch a socket; they queue messages with ``send``, which also wakes the loop
+through a pipe so that a queued message leaves at once rather than at the next poll timeout. The
+loop sends what is queued, decodes what arrives (a malformed message is counted and dropped, never
+fatal), and calls the node's ``on_tick`` every few milliseconds for heartbeats, deadlines and
+engine progress.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -50,6 +54,8 @@ class ControlLoop:
         self._thread: threading.Thread | None = None
         self.bad_messages = 0
         self.last_error = ""
+        self._wake_lock = threading.Lock()
+        self._wake_r = self._wake_w = -1  # the wake-up pipe, open while the loop runs
 
     def add_socket(self, sock: zmq.Socket) -> None:
         if self._thread is not None:
@@ -59,15 +65,38 @@ class ControlLoop:
     def send(self, sock: zmq.Socket, message: Message, identity: bytes | None = None) -> None:
         """Queue a message (thread-safe). ``identity`` addresses a peer of a ROUTER socket."""
         self._outbox.put((sock, identity, protocol.encode(message)))
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:  # never write to a closed (possibly reused) descriptor
+            if self._wake_w < 0:
+                return
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:  # the pipe is full: the loop is already due to wake
+                pass
 
     def start(self) -> None:
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        with self._wake_lock:
+            self._wake_r, self._wake_w = wake_r, wake_w
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-control", daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout_s)
+            if self._thread.is_alive():  # still polling the pipe: leave it open
+                return
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._wake_r = self._wake_w = -1
 
     def _flush(self) -> None:
         while True:
@@ -82,6 +111,11 @@ class ControlLoop:
                     sock.send_multipart([identity, data], zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # peer gone or queue full: heartbeats notice the peer
                 log.debug("%s: send failed: %s", self.name, exc)
+
+    def _drain_wakes(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_r, 4096):
+                pass
 
     def _receive(self, sock: zmq.Socket) -> None:
         while True:
@@ -109,10 +143,14 @@ class ControlLoop:
         poller = zmq.Poller()
         for sock in self._sockets:
             poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
             self._flush()
             for sock, _ in poller.poll(self._poll_ms):
-                self._receive(sock)
+                if sock == self._wake_r:
+                    self._drain_wakes()
+                else:
+                    self._receive(sock)
             try:
                 self._on_tick(time.monotonic())
             except Exception:  # a bug in a tick must not silently stop heartbeats

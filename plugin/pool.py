@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .descriptors import BufferDescriptor, page_bytes, to_three_lists, validate_descriptors
@@ -23,6 +24,7 @@ from .sizing import index_pages, kv_rows, resolve_index_buf_size
 CANARY = 0xCD
 GUARD_ALIGN = 8  # guard_bytes must keep every carved buffer aligned for its dtype
 DEFAULT_CHUNK_TOKENS = 8192
+MIN_RUN_BYTES = 32 * 1024  # from this mean run size on, row runs are copied as slices
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -30,6 +32,59 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _rows(t: torch.Tensor, width: int, align: int | None = None) -> torch.Tensor:
+    """The bytes of contiguous ``t`` as rows of ``width`` bytes, in the widest integer dtype that
+    divides ``align`` (default ``width``): copies then move words, not single bytes. A view:
+    writes land in ``t``."""
+    raw = t.view(torch.uint8).reshape(-1)
+    basis = width if align is None else align
+    word = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                if basis % d.itemsize == 0)
+    return raw.view(word).view(-1, width // word.itemsize)
+
+
+def _copy_rows(dst: torch.Tensor, dst_index: torch.Tensor | None, src: torch.Tensor,
+               src_index: torch.Tensor | None) -> None:
+    """``dst[dst_index[i]] = src[src_index[i]]`` for every i (``None``: all rows, in order);
+    ``dst_index`` unique. Not a snapshot: the caller keeps source and target rows apart.
+
+    On the CPU through numpy, not torch: torch's CPU index kernels copy one element at a time
+    and fan out to intra-op threads that stall on a busy machine (docs/benchmarks.md). Where the
+    rows come in long runs (a request's tokens: whole pages) each run is one slice copy, a
+    memcpy; otherwise numpy's row gather / scatter. Indices are checked by the caller."""
+    if dst.device.type != "cpu":
+        rows = src if src_index is None else src.index_select(0, src_index)
+        if dst_index is None:
+            dst.copy_(rows)
+        else:
+            dst.index_copy_(0, dst_index, rows)
+        return
+    d, s = dst.numpy(), src.numpy()
+    di = None if dst_index is None else dst_index.numpy()
+    si = None if src_index is None else src_index.numpy()
+    count = len(si if di is None else di)
+    step = np.ones(max(count - 1, 0), dtype=bool)
+    for index in (di, si):
+        if index is not None:
+            step &= np.diff(index) == 1
+    breaks = np.flatnonzero(~step) + 1
+    if (breaks.size + 1) * MIN_RUN_BYTES <= count * d.shape[1] * d.itemsize:
+        for start, end in zip([0, *breaks.tolist()], [*breaks.tolist(), count], strict=True):
+            at = start if di is None else int(di[start])
+            frm = start if si is None else int(si[start])
+            d[at:at + end - start] = s[frm:frm + end - start]
+    elif di is None:
+        np.take(s, si, axis=0, out=d, mode="clip")  # clip: no buffered copy of ``out``
+    else:
+        d[di] = s if si is None else s[si]
+
+
+def _sub_rows(byte_offsets: torch.Tensor, width: int, nbytes: int) -> torch.Tensor:
+    """Indices of the ``width``-byte rows covering ``nbytes`` bytes at each offset, in order."""
+    parts = torch.arange(nbytes // width, device=byte_offsets.device)
+    return ((byte_offsets // width)[:, None] + parts).reshape(-1)
 
 
 def resolve_kv_dtype(dtype: Any, kv_cache_dim: int | None, kv_lora_rank: int, rope: int) -> str:
@@ -173,6 +228,26 @@ class DSATokenToKVPool:
             for _ in layout.layer_ids
         ]
         self.device = str(self.kv_buffer[0].device)
+        # Row views for the token operations, per layer: (KV, indexer keys, indexer scales).
+        # [0] by token: keys and scales as rows of the widest size that divides them and every
+        # (page, offset) position of them. [1] by page, for tokens that fill whole pages (a
+        # request's): a page's keys, and its scales, as one (strided) row each.
+        page_bytes, split = layout.index_page_bytes, layout.page_size * layout.index_head_dim
+        key_w = math.gcd(layout.index_head_dim, page_bytes)
+        scale_w = math.gcd(layout.index_scale_bytes, page_bytes, split)
+        page_align = math.gcd(page_bytes, split)
+        kv_part = (layout.kv_row_bytes, layout.kv_row_bytes)
+        self._parts = (  # (row bytes, word alignment) of each part of a row view
+            (kv_part, (key_w, key_w), (scale_w, scale_w)),
+            (kv_part, (split, page_align), (page_bytes - split, page_align)),
+        )
+        self._row_views: tuple[list[tuple[torch.Tensor, ...]], ...] = ([], [])
+        for kv, ix in zip(self.kv_buffer, self.index_k_with_scale_buffer, strict=True):
+            token_rows = _rows(kv, layout.kv_row_bytes)
+            self._row_views[0].append((token_rows, _rows(ix, key_w), _rows(ix, scale_w)))
+            pages = _rows(ix, page_bytes, page_align)
+            cut = pages.shape[1] * split // page_bytes
+            self._row_views[1].append((token_rows, pages[:, :cut], pages[:, cut:]))
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
         if not self.guard_bytes:
@@ -214,13 +289,31 @@ class DSATokenToKVPool:
             return self.index_k_with_scale_buffer[i]
         raise ValueError(f"kind must be 'kv' or 'index', got {kind!r}")
 
-    def _index_views(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys (pages, page_size, index_head_dim), scales (pages, page_size, scale bytes))."""
-        buf = self.index_k_with_scale_buffer[i]
-        split = self.page_size * self.layout.index_head_dim
-        keys = buf[:, :split].unflatten(1, (self.page_size, self.layout.index_head_dim))
-        scales = buf[:, split:].unflatten(1, (self.page_size, self.layout.index_scale_bytes))
-        return keys, scales
+    def _whole_pages(self, locs: torch.Tensor) -> bool:
+        """True when ``locs`` are whole pages, each one's tokens in order (a request's tokens)."""
+        ps = self.page_size
+        if locs.numel() == 0 or locs.numel() % ps:
+            return False
+        grid = locs.reshape(-1, ps)
+        return bool((grid[:, :1] % ps == 0).all()) and bool(
+            (grid - grid[:, :1] == torch.arange(ps, device=locs.device)).all())
+
+    def _row_index(self, locs: torch.Tensor, by_page: bool) -> tuple[torch.Tensor, ...]:
+        """Rows of token locations in the row views ``self._row_views[by_page]`` (the same in
+        every layer): the KV row, and the indexer's keys and scales — by page, or by (page,
+        offset): key bytes at ``offset * head_dim`` and scale bytes at ``page_size * head_dim +
+        offset * scale_bytes`` of the page. Never by token location."""
+        lay = self.layout
+        page, off = locs // self.page_size, locs % self.page_size
+        if by_page:
+            pages = page[:: self.page_size].contiguous()
+            return locs, pages, pages
+        base = page * lay.index_page_bytes
+        keys = base + off * lay.index_head_dim
+        scales = base + self.page_size * lay.index_head_dim + off * lay.index_scale_bytes
+        (_, (key_w, _), (scale_w, _)) = self._parts[0]
+        return (locs, _sub_rows(keys, key_w, lay.index_head_dim),
+                _sub_rows(scales, scale_w, lay.index_scale_bytes))
 
     # ---- descriptors ---------------------------------------------------------------------------
     def buffer_descriptors(self) -> list[BufferDescriptor]:
@@ -302,13 +395,21 @@ class DSATokenToKVPool:
             raise ValueError(f"tgt_loc has {tgt.numel()} locations but src_loc has {src.numel()}")
         if tgt.numel() == 0:
             return
-        tp, to = tgt // self.page_size, tgt % self.page_size
-        sp, so = src // self.page_size, src % self.page_size
-        for i, kv in enumerate(self.kv_buffer):
-            kv[tgt] = kv[src]  # advanced indexing gathers into a new tensor before the scatter
-            keys, scales = self._index_views(i)
-            keys[tp, to] = keys[sp, so]
-            scales[tp, to] = scales[sp, so]
+        by_page = self._whole_pages(src) and self._whole_pages(tgt)
+        src_rows, tgt_rows = self._row_index(src, by_page), self._row_index(tgt, by_page)
+        # overlapping sources are first gathered into a snapshot, one per cache part, reused by
+        # every layer; disjoint ones are copied straight across
+        overlap = bool(torch.isin(tgt, src).any())
+        snapshots = [view.new_empty((rows.numel(), view.shape[1])) if overlap else None
+                     for view, rows in zip(self._row_views[by_page][0], src_rows, strict=True)]
+        for views in self._row_views[by_page]:
+            for view, s_rows, t_rows, snapshot in zip(views, src_rows, tgt_rows, snapshots,
+                                                      strict=True):
+                if snapshot is None:
+                    _copy_rows(view, t_rows, view, s_rows)
+                else:
+                    _copy_rows(snapshot, None, view, s_rows)
+                    _copy_rows(view, t_rows, snapshot, None)
 
     def get_cpu_copy(
         self, token_locs: torch.Tensor, *, chunk_size: int = DEFAULT_CHUNK_TOKENS
@@ -329,13 +430,13 @@ class DSATokenToKVPool:
         )
         for start in range(0, n, chunk_size):
             chunk = locs[start : start + chunk_size]
-            page, off = chunk // self.page_size, chunk % self.page_size
-            end = start + chunk.numel()
-            for i, buf in enumerate(self.kv_buffer):
-                kv[i][start:end].copy_(buf[chunk])
-                k, s = self._index_views(i)
-                keys[i][start:end].copy_(k[page, off])
-                scales[i][start:end].copy_(s[page, off])
+            by_page, end = self._whole_pages(chunk), start + chunk.numel()
+            rows = self._row_index(chunk, by_page)
+            for i, views in enumerate(self._row_views[by_page]):
+                outs = (kv[i][start:end], keys[i][start:end], scales[i][start:end])
+                for view, index, out, part in zip(views, rows, outs, self._parts[by_page],
+                                                  strict=True):
+                    _copy_rows(_rows(out, *part), None, view, index)
         return CpuCopy(layout=lay, num_tokens=n, kv=kv, index_keys=keys, index_scales=scales)
 
     def _check_copy(self, copy: Any) -> None:
@@ -376,10 +477,11 @@ class DSATokenToKVPool:
         dev = self.kv_buffer[0].device
         for start in range(0, copy.num_tokens, chunk_size):
             chunk = locs[start : start + chunk_size]
-            page, off = chunk // self.page_size, chunk % self.page_size
-            end = start + chunk.numel()
-            for i, buf in enumerate(self.kv_buffer):
-                buf[chunk] = copy.kv[i][start:end].to(dev)
-                k, s = self._index_views(i)
-                k[page, off] = copy.index_keys[i][start:end].to(dev)
-                s[page, off] = copy.index_scales[i][start:end].to(dev)
+            by_page, end = self._whole_pages(chunk), start + chunk.numel()
+            rows = self._row_index(chunk, by_page)
+            for i, views in enumerate(self._row_views[by_page]):
+                saved = (copy.kv[i], copy.index_keys[i], copy.index_scales[i])
+                for view, index, tensor, part in zip(views, rows, saved, self._parts[by_page],
+                                                     strict=True):
+                    values = _rows(tensor[start:end].to(dev).contiguous(), *part)
+                    _copy_rows(view, index, values, None)

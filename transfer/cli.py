@@ -140,7 +140,7 @@ def stop_on_signals() -> threading.Event:
 
 
 def cmd_prefill(args) -> int:
-    from dsa_bridge.transfer.backends import create_backend
+    from dsa_bridge.transfer.backends import create_backend, faulty
     from dsa_bridge.transfer.control import parse_endpoint
     from dsa_bridge.transfer.prefill import PrefillNode
     from dsa_bridge.transfer.roles import serve_prefill
@@ -148,7 +148,8 @@ def cmd_prefill(args) -> int:
     stop = stop_on_signals()
     host, _ = parse_endpoint(args.listen, "--listen")
     pool = make_pool(args)
-    node = PrefillNode(pool, create_backend(args.backend, host=host), listen=args.listen,
+    backend = faulty.wrap_from_env(create_backend(args.backend, host=host))  # test-only hook
+    node = PrefillNode(pool, backend, listen=args.listen,
                        request_timeout_s=args.request_timeout, peer_timeout_s=args.peer_timeout,
                        secret=load_secret(args.secret_file), allow_insecure=args.insecure)
     try:
@@ -179,7 +180,10 @@ def cmd_decode(args) -> int:
                     secret=load_secret(args.secret_file)) as node:
         lengths = request_lengths(args.requests, pool.page_size,
                                   min(args.max_tokens, args.pool_tokens), args.seed)
-        report = drive_decode(node, lengths, concurrency=args.concurrency, seed=args.seed + 1)
+        # room ids are global on a prefill node (as SGLang's bootstrap rooms): random, so that
+        # several decode nodes can share one prefill node
+        report = drive_decode(node, lengths, concurrency=args.concurrency, seed=args.seed + 1,
+                              room_base=int.from_bytes(os.urandom(8), "big") >> 2)
         summary = {
             "requests": report.requests, "requests_ok": report.requests_ok,
             "requests_failed": report.requests_failed, "bytes_verified": report.bytes_verified,

@@ -36,6 +36,8 @@ from dsa_bridge.transfer.request import TERMINAL, KVPoll, RequestState
 
 log = logging.getLogger(__name__)
 
+MAX_ROOM = 2**63 - 1  # room ids are SGLang bootstrap rooms: non-negative 63-bit
+
 
 @dataclass
 class DecodePeer:
@@ -78,6 +80,7 @@ class KVSender:
         self.pending: list[tuple[int, np.ndarray, bool]] = []
         self.busy = 0  # chunks queued for or inside the worker
         self.reported = False
+        self.write_failed = False  # an engine write failed: its bytes may still land
 
     def init(self, num_pages: int) -> None:
         if num_pages <= 0:
@@ -137,6 +140,7 @@ class PrefillNode:
         self._rooms: dict[int, _Room] = {}
         self._senders: dict[int, KVSender] = {}
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._gone: dict[int, tuple[str, float]] = {}  # room -> (why, when) its decode left
         self._next_heartbeat = 0.0
 
         self._context = zmq.Context()
@@ -171,6 +175,9 @@ class PrefillNode:
             self._senders[room] = sender
             if room in self._rooms:
                 sender.state.advance(KVPoll.WaitingForInput)
+            gone = self._gone.pop(room, None)
+            if gone is not None:  # its decode node was dropped before the application came
+                self._fail(sender, gone[0])
             return sender
 
     def peers(self) -> list[str]:
@@ -246,8 +253,8 @@ class PrefillNode:
             return
         sender.reported = True
         self._loop.send(self._socket, protocol.ChunkDone(
-            sender.room, sender.chunks_sent, ok=False, last=True,
-            reason=sender.state.reason, in_flight=in_flight), room.peer.identity)
+            sender.room, sender.chunks_sent, ok=False, last=True, reason=sender.state.reason,
+            in_flight=in_flight or sender.write_failed), room.peer.identity)
 
     # ---- the worker: plans and writes chunks -----------------------------------------------
 
@@ -272,12 +279,12 @@ class PrefillNode:
                 continue
             except BackendError as exc:
                 self.counters.add(engine_failures=1)
-                in_flight = True
+                in_flight = sender.write_failed = True
                 self._fail(sender, f"engine write failed: {exc}", in_flight=True)
                 continue
             except Exception as exc:  # a bug must fail the request, not stop the writer
                 log.exception("%s: room %d: writing a chunk failed", self.name, sender.room)
-                in_flight = True
+                in_flight = sender.write_failed = True
                 self._fail(sender, f"internal error: {type(exc).__name__}: {exc}", in_flight=True)
                 continue
             finally:
@@ -367,8 +374,11 @@ class PrefillNode:
                                                          reason=reason), peer.identity)
 
     def _on_request(self, peer: DecodePeer, request: protocol.RequestPages) -> None:
+        if not 0 <= request.room <= MAX_ROOM:
+            self._refuse_request(peer, request.room, f"room {request.room} is not in 0..2**63-1")
+            return
         if request.room in self._rooms:
-            self._refuse_request(peer, request.room, f"duplicate room {request.room}")
+            self._on_duplicate(peer, request.room)
             return
         try:
             dst = check_destination(peer.pairs, request.dst_pages)
@@ -391,9 +401,27 @@ class PrefillNode:
             return
         self._dispatch(sender)
 
+    def _on_duplicate(self, peer: DecodePeer, room_id: int) -> None:
+        """A room announced again. From another decode node, the newcomer's request is the one
+        refused. From the same node, it no longer knows which pages it meant: the room fails,
+        and, like any failure, is reported only once no write of ours into it can still land."""
+        room = self._rooms[room_id]
+        sender = self._senders.get(room_id)
+        if room.peer is not peer or sender is None:
+            if room.peer is peer:
+                del self._rooms[room_id]
+                peer.rooms.discard(room_id)
+            self._refuse_request(peer, room_id, f"duplicate room {room_id}")
+            return
+        self._fail(sender, f"duplicate room {room_id}")
+
     def _on_abort(self, peer: DecodePeer, abort: protocol.Abort) -> None:
+        room = self._rooms.get(abort.room)
+        if room is not None and room.peer is not peer:
+            raise protocol.ProtocolError(f"abort of room {abort.room}, which another decode "
+                                         f"node announced")
         sender = self._senders.get(abort.room)
-        if sender is None:
+        if sender is None or room is None:
             self._rooms.pop(abort.room, None)
             peer.rooms.discard(abort.room)
             self._refuse_request(peer, abort.room, f"aborted by decode: {abort.reason}")
@@ -410,7 +438,9 @@ class PrefillNode:
     def _drop_peer(self, peer: DecodePeer, reason: str) -> None:
         for room in list(peer.rooms):
             sender = self._senders.get(room)
-            if sender is not None and sender.state.fail(reason):
+            if sender is None:  # offered on ``incoming``: a sender made later fails at once
+                self._gone[room] = (reason, time.monotonic())
+            elif sender.state.fail(reason):
                 self.counters.add(requests_failed=1)
             self._rooms.pop(room, None)
 
@@ -429,6 +459,9 @@ class PrefillNode:
                 if sender.can_release() and (sender.reported or now > sender.state.deadline
                                              or sender.state.status == KVPoll.Success):
                     self._forget(sender.room)
+            if self._gone:
+                self._gone = {r: g for r, g in self._gone.items()
+                              if now - g[1] <= self.request_timeout_s}
             for room_id, room in list(self._rooms.items()):
                 if room_id not in self._senders and now - room.received_at > self.request_timeout_s:
                     del self._rooms[room_id]

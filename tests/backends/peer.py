@@ -81,6 +81,26 @@ class Peer:
         except ProcessLookupError:
             pass  # already gone
 
+    def freeze(self, timeout_s: float = 5.0) -> None:
+        """SIGSTOP it and wait, bounded, until every one of its threads is stopped: ``kill``
+        returns once the signal is queued, before the engine's threads have all stopped."""
+        self.signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while not self.threads_stopped():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"peer {self.process.pid} not stopped after {timeout_s} s")
+            time.sleep(0.005)
+
+    def threads_stopped(self) -> bool:
+        """True when every thread of the process is in state T (stopped) or t (traced)."""
+        try:
+            tasks = os.listdir(f"/proc/{self.process.pid}/task")
+            states = [open(f"/proc/{self.process.pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0]
+                      for t in tasks]
+        except OSError:
+            return False
+        return bool(states) and all(state in "Tt" for state in states)
+
     def stop(self) -> int | None:
         """Ask it to stop; kill it by PID if it does not within a few seconds. Returns exit code."""
         if self.process.is_alive():

@@ -1,0 +1,57 @@
+"""In-test pieces of the reliability tier: pools, bounded waits, byte checks of one buffer."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
+from dsa_bridge.transfer.pattern import SENTINEL, expected_pages
+from dsa_bridge.transfer.request import TERMINAL
+from dsa_bridge.transfer.roles import reset_pages
+
+from .procs import Hang
+
+DEEPSEEK = DSALayout.preset("deepseek-v3.2")
+SMALL = {"num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128}
+
+
+def make_pool(layout: DSALayout = DEEPSEEK, pages: int = 48, *, guard_bytes: int = 0,
+              sentinel: bool = True) -> DSATokenToKVPool:
+    """A pool of ``pages`` usable pages (plus padding page 0), optionally filled with the
+    sentinel and surrounded by canary guard bytes."""
+    pool = DSATokenToKVPool.from_layout(layout, size=pages * layout.page_size,
+                                        guard_bytes=guard_bytes)
+    if sentinel:
+        reset_pages(pool, np.arange(pool.num_kv_pages))
+    return pool
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    """Poll ``predicate`` until truthy; raise Hang (counted in the table) after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise Hang(f"{what} not reached within {timeout_s:.0f}s")
+        time.sleep(0.002)
+
+
+def settled(*requests) -> bool:
+    return all(r.poll() in TERMINAL for r in requests)
+
+
+def buffer_matches(pool, room: int, pages: np.ndarray, layer_id: int, kind: str) -> bool:
+    """True when one (layer, cache) buffer holds the request's pattern on all its pages."""
+    view = pool.page_view(layer_id, kind)
+    got = view.index_select(0, torch.from_numpy(pages))
+    return torch.equal(got, expected_pages(room, layer_id, kind, np.arange(pages.size), view.shape[1]))
+
+
+def buffer_untouched(pool, pages: np.ndarray, layer_id: int, kind: str) -> bool:
+    view = pool.page_view(layer_id, kind)
+    return bool((view.index_select(0, torch.from_numpy(pages)) == SENTINEL).all())

@@ -22,6 +22,7 @@ import threading
 import numpy as np
 
 from dsa_bridge.transfer.auth import load_secret
+from dsa_bridge.transfer.bench import add_bench_parser, run_bench
 from dsa_bridge.transfer.demo import run_demo
 from dsa_bridge.transfer.summary import print_summary, write_json_atomic
 
@@ -82,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_node_options(demo)
     add_run_options(demo)
     demo.add_argument("--timeout", type=float, default=900.0, help="whole-run deadline, seconds")
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -217,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    commands = {"pool": cmd_pool, "prefill": cmd_prefill, "decode": cmd_decode, "demo": run_demo}
+    commands = {"pool": cmd_pool, "prefill": cmd_prefill, "decode": cmd_decode, "demo": run_demo,
+                "bench": run_bench}
     try:
         return commands[args.command](args)
     except (ValueError, OSError, RuntimeError) as exc:

@@ -1,0 +1,65 @@
+"""Smoke test of ``dsa-bridge bench``: the whole code path at its tiny size, in a real process.
+
+Benchmarks are not timed tests: this checks that the report has every key, that every figure is
+positive and every descriptor count exact, that stdout holds nothing but the JSON (NIXL and UCX
+log to stdout), and that the plots are written — never how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dsa_bridge.transfer.backends import BACKENDS
+
+from ..conftest import engine_problem
+
+TIMEOUT_S = 120
+
+ROW_FIGURES = ("bytes", "descriptors", "e2e_s", "raw_s", "memcpy_s", "plan_s", "e2e_gbps",
+               "raw_gbps", "memcpy_gbps", "ratio_vs_raw", "ratio_vs_memcpy", "raw_vs_memcpy",
+               "plan_share")
+
+
+def test_tiny_bench_reports_every_figure(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plots need matplotlib (the dev extra)")
+    backends = [name for name in BACKENDS if engine_problem(name) is None]
+    if not backends:
+        pytest.skip("no transfer engine starts on this machine")
+    result = subprocess.run(
+        [sys.executable, "-m", "dsa_bridge.transfer.cli", "bench", "--tiny", "--json",
+         "--backends", ",".join(backends), "--plots", str(tmp_path)],
+        capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)  # fails if anything but the report reached stdout
+
+    for key in ("ratio_vs_raw", "ratio_vs_raw_lowest", "plan_share"):
+        assert set(report[key]) == set(backends), key
+        assert all(value > 0 for value in report[key].values()), key
+    for key in ("pool_vs_memcpy", "pool_vs_memcpy_lowest"):
+        assert set(report[key]) == {"move_kv_cache", "get_cpu_copy", "load_cpu_copy"}, key
+        assert all(value > 0 for value in report[key].values()), key
+    assert report["get_cpu_copy_vs_fresh_memcpy"] > 0
+    assert report["targets_met"]["descriptors_exact"] is True
+    assert set(report["transports"]) == set(backends)
+
+    sweeps = {"length", "length_long", "descriptors", "concurrency", "layers"}
+    for backend in backends:
+        rows = [r for r in report["transfer"] if r["backend"] == backend]
+        assert {r["sweep"] for r in rows} == sweeps
+        assert {r["pattern"] for r in rows} == {"contiguous", "fragmented", "per_page"}
+    for row in report["transfer"]:
+        assert all(row[key] > 0 for key in ROW_FIGURES), row
+        assert row["descriptors"] == row["runs"] * row["layers"] * 2
+        assert len(row["e2e_samples_s"]) == len(row["raw_samples_s"]) == report["repeat"]
+    for row in report["plan"]:
+        assert row["seconds"] > 0 and row["descriptors"] == row["runs"] * 61 * 2
+        assert all(share > 0 for share in row["share"].values())
+    for row in report["pool_ops"]:
+        assert row["seconds"] > 0 and row["gbps"] > 0 and row["ratio_vs_memcpy"] > 0
+
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == [
+        "bench_gbps_vs_length.png", "bench_plan_cost.png"]

@@ -1,0 +1,303 @@
+"""``dsa-bridge bench``: how fast dsa-bridge moves DSA requests, against the engine and memcpy.
+
+Every figure is taken in one run, side by side, and reported as a ratio to baselines measured in
+that same run (medians of ``repeat`` interleaved runs; see ``bench_measure`` for how):
+
+- **end-to-end**: a real PrefillNode in a child process, a real DecodeNode here, from decode's
+  ``receiver.init`` to Success: control plane, planning, engine, completion;
+- **raw engine**: the node's own engine writing the same byte ranges from pre-built descriptors
+  in one ``backend.write`` call (``ratio_vs_raw`` = raw seconds / end-to-end seconds);
+- **memcpy**: one in-process ``memmove`` of the same number of bytes (the machine's limit).
+
+Sweeps, per backend: request length (DeepSeek-V3.2 with all 61 layers as far as memory allows,
+then cut to a few layers up to 128K tokens), layers (GLM-5.2 cut to N layers), page patterns
+(contiguous, fragmented, one page per descriptor) and concurrent requests. Without a transfer:
+the planner's cost per request and the pool operations against memcpy.
+
+This module is the command and its report (headline figures, targets, tables, plots); it loads
+torch and the engines only when a bench runs. Progress goes to stderr. With ``--json`` the only
+thing on stdout is the report: while the bench runs, file descriptor 1 points at stderr, where
+NIXL and UCX write their logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import metadata
+
+from dsa_bridge.transfer.backends import BACKENDS
+
+REPORT_VERSION = 1
+LONG_REQUEST_TOKENS = 8192  # the ratio_vs_raw target holds from this request length on
+TARGETS = {"ratio_vs_raw": 0.9, "plan_share": 0.02, "pool_vs_memcpy": 0.5}
+ENGINE_PACKAGES = ("mooncake-transfer-engine-non-cuda", "nixl-cu12")
+QUIET_ENV = {"MC_LOG_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "ERROR", "UCX_LOG_LEVEL": "error"}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What one run measures (token counts are multiples of the 64-token page)."""
+
+    repeat: int
+    lengths: tuple[int, ...]  # DeepSeek-V3.2, all 61 layers
+    long_lengths: tuple[int, ...]  # DeepSeek-V3.2 cut to long_layers layers (memory)
+    long_layers: int
+    layer_counts: tuple[int, ...]  # GLM-5.2 cut to this many layers, sweep_tokens a request
+    concurrency: tuple[int, ...]  # requests in flight, concurrency_tokens each, DeepSeek-V3.2
+    concurrency_tokens: int
+    sweep_tokens: int  # the layer and page-pattern sweeps' request length; one of ``lengths``
+    plan_lengths: tuple[int, ...]  # planning cost (address math only: no memory)
+    pool_tokens: int  # tokens per pool operation
+
+
+SIZES = {
+    "full": Sizes(repeat=9, lengths=(1024, 2048, 4096, 8192, 16384),
+                  long_lengths=(1024, 4096, 16384, 32768, 65536, 131072), long_layers=8,
+                  layer_counts=(1, 4, 16, 39, 78), concurrency=(1, 4, 16, 64),
+                  concurrency_tokens=256, sweep_tokens=8192,
+                  plan_lengths=(64, 1024, 4096, 16384, 65536, 131072), pool_tokens=8192),
+    "quick": Sizes(repeat=3, lengths=(1024, 8192), long_lengths=(131072,), long_layers=8,
+                   layer_counts=(78,), concurrency=(1, 16), concurrency_tokens=256,
+                   sweep_tokens=8192, plan_lengths=(64, 8192, 131072), pool_tokens=4096),
+    "tiny": Sizes(repeat=1, lengths=(64, 256), long_lengths=(512,), long_layers=2,
+                  layer_counts=(2,), concurrency=(1, 2), concurrency_tokens=64,
+                  sweep_tokens=256, plan_lengths=(64, 1024), pool_tokens=256),
+}
+
+
+def machine() -> dict:
+    """What the figures were measured on."""
+    versions = {}
+    for package in ("torch", *ENGINE_PACKAGES):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return {"cpus": os.cpu_count(), "memory_gib": round(memory / 2**30, 1),
+            "platform": platform.platform(), "python": platform.python_version(), **versions}
+
+
+def add_plan_shares(plan_rows: list[dict], transfers: list[dict], backends: list[str]) -> dict:
+    """Each planning point's share of its request's transfer time at the backend's end-to-end
+    rate (that of its contiguous single request with the most bytes: the fastest, so the largest
+    share). Returns the headline: the largest share at the longest length, per backend."""
+    longest = max(r["tokens"] for r in plan_rows)
+    headline = {}
+    for backend in backends:
+        ref = max((r for r in transfers if r["backend"] == backend and r["requests"] == 1
+                   and r["pattern"] == "contiguous"), key=lambda r: r["bytes"])
+        for row in plan_rows:
+            transfer_s = row["bytes"] / (ref["e2e_gbps"] * 1e9)
+            row.setdefault("share", {})[backend] = row["seconds"] / transfer_s
+        headline[backend] = max(r["share"][backend] for r in plan_rows if r["tokens"] == longest)
+    return headline
+
+
+def summarize(transfers: list[dict], plan_share: dict, pool_rows: list[dict],
+              backends: list[str]) -> dict:
+    """The headline figures, and whether each target is met: the median over the points a
+    target covers (single points are noisy on a shared machine), with the lowest point too."""
+    lengths = [r for r in transfers if r["sweep"] in ("length", "length_long")]
+    # a run without requests that long (--tiny) takes its longest ones
+    from_tokens = min(LONG_REQUEST_TOKENS, max(r["tokens"] for r in lengths))
+    ratio, lowest = {}, {}
+    for backend in backends:
+        long = [r["ratio_vs_raw"] for r in lengths
+                if r["backend"] == backend and r["tokens"] >= from_tokens]
+        ratio[backend], lowest[backend] = statistics.median(long), min(long)
+    bulk_rows = [r for r in pool_rows if r["pattern"] != "scattered"]
+    bulk, bulk_lowest = {}, {}
+    for op in dict.fromkeys(r["op"] for r in pool_rows):
+        ratios = [r["ratio_vs_memcpy"] for r in bulk_rows if r["op"] == op]
+        bulk[op], bulk_lowest[op] = statistics.median(ratios), min(ratios)
+    fresh = [r["ratio_vs_fresh_memcpy"] for r in bulk_rows if "ratio_vs_fresh_memcpy" in r]
+    return {
+        "ratio_vs_raw": ratio,
+        "ratio_vs_raw_lowest": lowest,
+        "ratio_vs_raw_from_tokens": from_tokens,
+        "plan_share": plan_share,
+        "pool_vs_memcpy": bulk,
+        "pool_vs_memcpy_lowest": bulk_lowest,
+        "get_cpu_copy_vs_fresh_memcpy": statistics.median(fresh),
+        "targets_met": {
+            "ratio_vs_raw": {b: v >= TARGETS["ratio_vs_raw"] for b, v in ratio.items()},
+            "plan_share": {b: v <= TARGETS["plan_share"] for b, v in plan_share.items()},
+            "descriptors_exact": all(r["descriptors_exact"] for r in transfers),
+            "pool_vs_memcpy": {op: v >= TARGETS["pool_vs_memcpy"] for op, v in bulk.items()},
+        },
+    }
+
+
+def run(size: str, backends: list[str]) -> dict:
+    """Measure everything ``SIZES[size]`` asks for; the report as one JSON-ready dict."""
+    from dsa_bridge.transfer import bench_measure  # torch, the nodes and the engines
+
+    sizes = SIZES[size]
+    started, load = time.monotonic(), os.getloadavg()
+    plan_rows = bench_measure.plan_cost(sizes)
+    transfers, transports = bench_measure.run_transfers(sizes, backends)
+    pool_rows = bench_measure.pool_ops(sizes)
+    plan_share = add_plan_shares(plan_rows, transfers, backends)
+    return {
+        "version": REPORT_VERSION, "size": size, "repeat": sizes.repeat, "backends": backends,
+        "transports": transports, "machine": machine(),
+        "load_average": {"start": load, "end": os.getloadavg()},
+        "seconds": round(time.monotonic() - started, 1),
+        **summarize(transfers, plan_share, pool_rows, backends),
+        "targets": TARGETS,
+        "transfer": transfers, "plan": plan_rows, "pool_ops": pool_rows,
+    }
+
+
+def print_tables(report: dict) -> None:
+    load = report["load_average"]
+    print(f"dsa-bridge bench ({report['size']}, median of {report['repeat']}, "
+          f"{report['seconds']:.0f} s, load average {load['start'][0]:.1f} -> {load['end'][0]:.1f})")
+    print(f"{'backend':8} {'sweep':11} {'model':13} {'L':>2} {'tokens':>6} {'req':>3} "
+          f"{'pattern':10} {'MB':>6} {'desc':>6} {'e2e GB/s':>8} {'raw':>5} {'memcpy':>6} "
+          f"{'e2e/raw':>7} {'+ms':>5} {'plan%':>5}")
+    for r in report["transfer"]:
+        print(f"{r['backend']:8} {r['sweep']:11} {r['model']:13} {r['layers']:>2} {r['tokens']:>6} "
+              f"{r['requests']:>3} {r['pattern']:10} {r['bytes'] / 1e6:>6.0f} {r['descriptors']:>6} "
+              f"{r['e2e_gbps']:>8.2f} {r['raw_gbps']:>5.2f} {r['memcpy_gbps']:>6.1f} "
+              f"{r['ratio_vs_raw']:>7.2f} {r['overhead_ms']:>5.1f} {100 * r['plan_share']:>5.2f}")
+    print(f"\n{'plan: tokens':>12} {'pattern':10} {'descriptors':>11} {'us':>9}  share of transfer")
+    for r in report["plan"]:
+        shares = ", ".join(f"{b} {100 * s:.3f}%" for b, s in r["share"].items())
+        print(f"{r['tokens']:>12} {r['pattern']:10} {r['descriptors']:>11} "
+              f"{r['seconds'] * 1e6:>9.1f}  {shares}")
+    print(f"\n{'pool op':14} {'pattern':10} {'tokens':>6} {'GB/s':>6} {'memcpy':>6} {'ratio':>5} "
+          f"{'into fresh memory':>17}")
+    for r in report["pool_ops"]:
+        fresh = (f"{r['fresh_memcpy_gbps']:>6.2f} GB/s {r['ratio_vs_fresh_memcpy']:>5.2f}x"
+                 if "fresh_memcpy_gbps" in r else "")
+        print(f"{r['op']:14} {r['pattern']:10} {r['tokens']:>6} {r['gbps']:>6.2f} "
+              f"{r['memcpy_gbps']:>6.1f} {r['ratio_vs_memcpy']:>5.2f} {fresh:>17}")
+    print(f"\nratio_vs_raw (length sweeps, requests >= {report['ratio_vs_raw_from_tokens']} tokens, "
+          f"median of the points): {report['ratio_vs_raw']}; lowest point: "
+          f"{report['ratio_vs_raw_lowest']}")
+    print(f"plan_share (longest request, largest): {report['plan_share']}")
+    print(f"pool_vs_memcpy (bulk patterns, median): {report['pool_vs_memcpy']}; lowest: "
+          f"{report['pool_vs_memcpy_lowest']}")
+    print(f"get_cpu_copy against a memmove into fresh memory (bulk, median): "
+          f"{report['get_cpu_copy_vs_fresh_memcpy']:.2f}")
+    print(f"targets met: {report['targets_met']}")
+
+
+def write_plots(report: dict, directory: str) -> list[str]:
+    """GB/s against request length, and planning cost against length, as PNGs in ``directory``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    os.makedirs(directory, exist_ok=True)
+    note = (f"{report['machine']['cpus']} CPUs, loopback, median of {report['repeat']} "
+            f"(dsa-bridge bench, {report['size']})")
+    lengths = [r for r in report["transfer"] if r["sweep"] in ("length", "length_long")]
+    fig, ax = plt.subplots(figsize=(11, 5))
+    for backend in report["backends"]:
+        for sweep, marker in (("length", "o"), ("length_long", "s")):
+            rows = sorted((r for r in lengths if r["backend"] == backend and r["sweep"] == sweep),
+                          key=lambda r: r["tokens"])
+            if rows:
+                label = f"{backend}, {rows[0]['layers']} layers"
+                tokens = [r["tokens"] for r in rows]
+                line = ax.plot(tokens, [r["e2e_gbps"] for r in rows], marker=marker,
+                               label=f"{label}: dsa-bridge end-to-end")[0]
+                ax.plot(tokens, [r["raw_gbps"] for r in rows], marker=marker, linestyle="--",
+                        color=line.get_color(), alpha=0.5, label=f"{label}: raw engine")
+    memcpy = {}
+    for r in lengths:
+        memcpy.setdefault(r["tokens"], []).append(r["memcpy_gbps"])
+    ax.plot(sorted(memcpy), [max(memcpy[t]) for t in sorted(memcpy)], color="gray",
+            linestyle=":", label="memcpy of the same bytes (machine limit)")
+    ax.set(xscale="log", yscale="log", xlabel="request length (tokens)", ylabel="GB/s",
+           title=f"DeepSeek-V3.2 request, prefill -> decode\n{note}")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.grid(True, which="both", alpha=0.3)
+    paths = [os.path.join(directory, "bench_gbps_vs_length.png"),
+             os.path.join(directory, "bench_plan_cost.png")]
+    fig.tight_layout()
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+
+    fig, (cost, share) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for pattern in dict.fromkeys(r["pattern"] for r in report["plan"]):
+        rows = [r for r in report["plan"] if r["pattern"] == pattern]
+        tokens = [r["tokens"] for r in rows]
+        cost.plot(tokens, [r["seconds"] * 1e6 for r in rows], marker="o", label=pattern)
+        for backend in report["backends"]:
+            share.plot(tokens, [100 * r["share"][backend] for r in rows], marker="o",
+                       label=f"{pattern}, {backend}")
+    share.axhline(100 * TARGETS["plan_share"], color="red", linestyle=":", label="target")
+    cost.set(xscale="log", yscale="log", xlabel="request length (tokens)", ylabel="µs per request",
+             title="plan_writes, DeepSeek-V3.2 (61 layers x 2 caches)")
+    share.set(xscale="log", yscale="log", xlabel="request length (tokens)",
+              ylabel="% of the request's transfer time", title="planning as a share of the transfer")
+    for axis in (cost, share):
+        axis.legend(fontsize=7)
+        axis.grid(True, which="both", alpha=0.3)
+    fig.suptitle(note, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Point file descriptor 1 at stderr (the engines' C code logs to stdout) for the block."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="transfer speed against the raw engine and memcpy, "
+                                         "planning cost, pool operations")
+    size = bench.add_mutually_exclusive_group()
+    size.add_argument("--quick", dest="size", action="store_const", const="quick",
+                      help="fewer points and repeats: about a minute on 2 cores")
+    size.add_argument("--tiny", dest="size", action="store_const", const="tiny",
+                      help="every code path at the smallest sizes, in seconds (the smoke test); "
+                           "the figures mean little")
+    bench.set_defaults(size="full")
+    bench.add_argument("--backends", default=",".join(BACKENDS),
+                       help=f"comma-separated, of {', '.join(BACKENDS)} (default: all)")
+    bench.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    bench.add_argument("--plots", metavar="DIR", help="write bench_gbps_vs_length.png and "
+                                                      "bench_plan_cost.png there (matplotlib)")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    backends = [b for b in args.backends.split(",") if b]
+    if not backends or set(backends) - set(BACKENDS):
+        raise ValueError(f"--backends: choose from {', '.join(BACKENDS)}, got {args.backends!r}")
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    with stdout_to_stderr() if args.json else contextlib.nullcontext():
+        report = run(args.size, backends)
+        if args.plots:
+            report["plots"] = write_plots(report, args.plots)
+    if args.json:
+        print(json.dumps(report), flush=True)
+    else:
+        print_tables(report)
+    return 0

@@ -1,0 +1,597 @@
+"""The measurements of ``dsa-bridge bench``: transfers between two processes, the planner's cost
+and the pool operations, each next to the baseline it is reported against.
+
+Transfers: a real PrefillNode in a child process (``python -m dsa_bridge.transfer.bench_measure
+--control ENDPOINT``), a real DecodeNode in the bench process. The bench process drives the child
+over a private ZMQ PAIR socket; every command (a msgpack map) gets one answer:
+
+- ``setup``: build a pool of the given geometry, an engine backend and a PrefillNode, and answer
+  its control endpoint; the bench process then builds the matching DecodeNode (the handshake).
+- ``peer``: the decode node's engine metadata and buffers. The raw baseline plans with the pairs
+  the node itself uses (``handshake.pair_with_peer``) and writes through the node's own engine
+  (``connect`` of a peer the engine already knows returns the same handle).
+- ``send``: create a sender per room (``init`` + one ``send`` of all its pages), as a prefill
+  that has finished computing does; each chunk waits for decode's page ids, then goes straight
+  to the node's writer thread.
+- ``raw``: plan the given (src, dst) page lists with ``plan_writes`` (timed on its own), join the
+  plans and time one ``backend.write`` of all of them: pre-built descriptors, one batch.
+- ``teardown`` (close the node) and ``quit``.
+
+End-to-end time is taken in the bench process from the first ``receiver.init`` to the moment the
+last request turned Success (its last ChunkDone handled): control plane both ways, planning, the
+engine and the completion report. The child's stdout (where NIXL and UCX log) goes to stderr.
+End-to-end, raw and memcpy runs are interleaved, their order alternating between repeats.
+
+Planning is timed on hand-built buffers (the planner only does address math, so a 128K-token
+request needs no memory); the pool operations on a real DeepSeek-V3.2 pool, against one memmove
+of the same number of bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+import torch
+import zmq
+
+from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
+from dsa_bridge.transfer.allocator import PageAllocator
+from dsa_bridge.transfer.backends import create_backend
+from dsa_bridge.transfer.decode import DecodeNode, KVReceiver
+from dsa_bridge.transfer.handshake import buffer_infos, pair_with_peer
+from dsa_bridge.transfer.plan import Buffer, pair_buffers, plan_writes
+from dsa_bridge.transfer.prefill import PrefillNode
+from dsa_bridge.transfer.protocol import BufferInfo
+from dsa_bridge.transfer.request import TERMINAL, KVPoll
+
+if TYPE_CHECKING:
+    from dsa_bridge.transfer.bench import Sizes
+
+PAGE = 64
+PATTERNS = ("contiguous", "fragmented", "per_page")
+LOC_PATTERNS = ("contiguous", "fragmented", "scattered")
+COMMAND_TIMEOUT_S = 180.0
+START_TIMEOUT_S = 60.0
+WRITE_TIMEOUT_S = 120.0
+IDLE_EXIT_S = 900.0
+PLAN_REPEAT = 5
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A pool both sides build: a model preset cut to its first ``layers`` layers."""
+
+    model: str
+    layers: int
+    kv_dtype: str
+    pool_tokens: int
+    page_size: int = PAGE
+
+    def layout(self) -> DSALayout:
+        return DSALayout.preset(self.model, end_layer=self.layers, kv_dtype=self.kv_dtype,
+                                page_size=self.page_size)
+
+    def pool(self) -> DSATokenToKVPool:
+        return DSATokenToKVPool.from_layout(self.layout(), size=self.pool_tokens)
+
+
+def page_ids(pattern: str, pages: int, requests: int = 1,
+             seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(src, dst) page ids of ``requests`` disjoint requests of ``pages`` pages each.
+
+    contiguous: both sides 1, 2, 3, ... (one run per request); fragmented: each side's pages
+    come from a ``PageAllocator`` (shuffled blocks of 1-16 pages, as a serving engine's free list
+    looks after a while); per_page: prefill's pages 1, 3, 5, ... so that no two are adjacent and
+    every page is its own descriptor (what an engine gets without coalescing)."""
+    total = pages * requests
+    if pattern == "contiguous":
+        src = dst = np.arange(1, total + 1, dtype=np.int64)
+    elif pattern == "fragmented":
+        src = PageAllocator(total + 1, seed=seed).alloc(total)
+        dst = PageAllocator(total + 1, seed=seed + 1).alloc(total)
+    elif pattern == "per_page":
+        src = np.arange(1, 2 * total, 2, dtype=np.int64)
+        dst = np.arange(1, total + 1, dtype=np.int64)
+    else:
+        raise ValueError(f"pattern must be one of {', '.join(PATTERNS)}, got {pattern!r}")
+    return [(src[i * pages:(i + 1) * pages], dst[i * pages:(i + 1) * pages])
+            for i in range(requests)]
+
+
+def pool_pages(pattern: str, total_pages: int) -> int:
+    """Pages (padding page excluded) a pool needs for ``page_ids(pattern, ...)`` of that many."""
+    return 2 * total_pages if pattern == "per_page" else total_pages
+
+
+def trim_heap() -> None:
+    """Free a closed node's pool now and hand the memory back to the OS: a node and its control
+    loop refer to each other (only the cycle collector frees them), and glibc keeps freed blocks
+    below its adaptive mmap threshold. Else one geometry's pool counts against the next one's."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim this way
+        pass
+
+
+def runs(src: np.ndarray, dst: np.ndarray) -> int:
+    """Runs of pages where both sides step by +1, counted apart from the planner: the oracle for
+    its descriptor count (one write per run, per layer, per cache)."""
+    return 1 + int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)))
+
+
+# ---- the child: a PrefillNode that runs the bench's commands ------------------------------------
+
+class _PrefillServer:
+    """What the child process does for each command (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.node: PrefillNode | None = None
+        self.pairs: list = []
+        self.peer = ""
+
+    def setup(self, backend: str, geometry: dict) -> dict:
+        if self.node is not None:
+            raise RuntimeError("setup twice without teardown")
+        pool = Geometry(**geometry).pool()
+        self.node = PrefillNode(pool, create_backend(backend, host="127.0.0.1"),
+                                listen="127.0.0.1:0", request_timeout_s=COMMAND_TIMEOUT_S,
+                                write_timeout_s=WRITE_TIMEOUT_S)
+        return {"endpoint": self.node.endpoint, "transport": self.node.backend.transport()}
+
+    def set_peer(self, metadata: bytes, buffers: list) -> dict:
+        infos = [BufferInfo(*b) for b in buffers]
+        self.pairs = pair_with_peer(self.node.layout, self.node.buffers, infos)
+        self.peer = self.node.backend.connect(metadata)
+        return {}
+
+    def send(self, requests: list) -> dict:
+        for room, pages in requests:
+            sender = self.node.sender(room)
+            sender.init(len(pages))
+            sender.send(np.asarray(pages, dtype=np.int64))
+        return {}
+
+    def raw(self, requests: list) -> dict:
+        pages = [(np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)) for s, d in requests]
+        plan_seconds = []
+        for _ in range(PLAN_REPEAT):
+            start = time.perf_counter()
+            plans = [plan_writes(self.pairs, src, dst) for src, dst in pages]
+            plan_seconds.append(time.perf_counter() - start)
+        src, dst, length = (np.concatenate([getattr(p, key) for p in plans])
+                            for key in ("src", "dst", "length"))
+        start = time.perf_counter()
+        self.node.backend.write(self.peer, src, dst, length, timeout_s=WRITE_TIMEOUT_S)
+        return {"seconds": time.perf_counter() - start,
+                "plan_seconds": statistics.median(plan_seconds),
+                "descriptors": int(length.size), "nbytes": int(length.sum())}
+
+    def teardown(self) -> dict:
+        self.close()
+        trim_heap()
+        return {}
+
+    def close(self) -> None:
+        node, self.node, self.pairs, self.peer = self.node, None, [], ""
+        if node is not None:
+            node.close()
+
+
+def serve(control: str) -> int:
+    """The child's command loop; it ends on ``quit``, when its parent is gone, or when idle."""
+    commands = {"setup": "setup", "peer": "set_peer", "send": "send", "raw": "raw",
+                "teardown": "teardown"}
+    server = _PrefillServer()
+    parent = os.getppid()
+    context = zmq.Context()
+    sock = context.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(control)
+    try:
+        sock.send(msgspec.msgpack.encode({"ok": True, "pid": os.getpid()}))
+        idle_since = time.monotonic()
+        while True:
+            if not sock.poll(1000):
+                if os.getppid() != parent or time.monotonic() - idle_since > IDLE_EXIT_S:
+                    return 1
+                continue
+            command = msgspec.msgpack.decode(sock.recv())
+            op = command.pop("op", "")
+            if op == "quit":
+                sock.send(msgspec.msgpack.encode({"ok": True}))
+                return 0
+            try:
+                if op not in commands:
+                    raise ValueError(f"unknown command {op!r}")
+                reply = {"ok": True, **getattr(server, commands[op])(**command)}
+            except Exception as exc:  # reported to the bench process, which raises it
+                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            sock.send(msgspec.msgpack.encode(reply))
+            idle_since = time.monotonic()
+    finally:
+        server.close()
+        sock.close(0)
+        context.term()
+
+
+# ---- the bench process's side -----------------------------------------------------------------
+
+class PrefillChild:
+    """The child process and its command channel; ``stop`` ends it by PID, whatever happened."""
+
+    def __init__(self) -> None:
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PAIR)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SNDTIMEO, int(COMMAND_TIMEOUT_S * 1000))
+        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "dsa_bridge.transfer.bench_measure", "--control",
+             f"tcp://127.0.0.1:{port}"], stdout=sys.stderr, stdin=subprocess.DEVNULL)
+        try:
+            self._receive("start", time.monotonic() + START_TIMEOUT_S)
+        except BaseException:
+            self.stop()
+            raise
+
+    def call(self, op: str, **fields: object) -> dict:
+        try:
+            self._socket.send(msgspec.msgpack.encode({"op": op, **fields}))
+        except zmq.Again:
+            raise RuntimeError(f"bench prefill did not take the {op} command") from None
+        return self._receive(op, time.monotonic() + COMMAND_TIMEOUT_S)
+
+    def _receive(self, op: str, deadline: float) -> dict:
+        while not self._socket.poll(100):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"bench prefill exited with code {self.process.returncode} "
+                                   f"during {op}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"bench prefill did not answer {op} in time")
+        reply = msgspec.msgpack.decode(self._socket.recv())
+        if not reply["ok"]:
+            raise RuntimeError(f"bench prefill: {op} failed: {reply['error']}")
+        return reply
+
+    def stop(self) -> None:
+        try:
+            if self.process.poll() is None:
+                try:
+                    self._socket.send(msgspec.msgpack.encode({"op": "quit"}), zmq.NOBLOCK)
+                    self.process.wait(20)
+                except (zmq.ZMQError, subprocess.TimeoutExpired):
+                    self.process.terminate()
+                    try:
+                        self.process.wait(10)
+                    except subprocess.TimeoutExpired:
+                        self.process.kill()
+                        self.process.wait(10)
+        finally:
+            self._socket.close(0)
+            self._context.term()
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One end-to-end run of a set of requests, as the decode node saw it."""
+
+    seconds: float
+    nbytes: int
+    descriptors: int
+
+
+class TransferSession:
+    """One geometry on one backend: the child's PrefillNode and this process's DecodeNode."""
+
+    def __init__(self, child: PrefillChild, backend: str, geometry: Geometry) -> None:
+        self.child, self.geometry = child, geometry
+        reply = child.call("setup", backend=backend, geometry=vars(geometry))
+        self.transport = reply["transport"]
+        self._room = 0
+        self.node: DecodeNode | None = None
+        try:
+            self.node = DecodeNode(geometry.pool(), create_backend(backend, host="127.0.0.1"),
+                                   reply["endpoint"], request_timeout_s=COMMAND_TIMEOUT_S)
+            child.call("peer", metadata=self.node.backend.metadata(),
+                       buffers=[list(msgspec.structs.astuple(b))
+                                for b in buffer_infos(self.node.buffers)])
+        except BaseException:
+            self.close()
+            raise
+
+    def end_to_end(self, requests: list[tuple[np.ndarray, np.ndarray]]) -> Transfer:
+        """Move every request through the nodes at once; time first init -> last Success."""
+        rooms = range(self._room, self._room + len(requests))
+        self._room += len(requests)
+        self.child.call("send", requests=[[room, src.tolist()]
+                                          for room, (src, _) in zip(rooms, requests, strict=True)])
+        receivers: list[KVReceiver] = []
+        for room, (_, dst) in zip(rooms, requests, strict=True):
+            receiver = self.node.receiver(room)
+            receiver.init(dst, dst.size * self.geometry.page_size)
+            receivers.append(receiver)
+        deadline = time.monotonic() + WRITE_TIMEOUT_S
+        while any(r.poll() not in TERMINAL for r in receivers):
+            if time.monotonic() > deadline:
+                for receiver in receivers:
+                    receiver.abort("bench deadline passed")
+                raise RuntimeError(f"{len(requests)} requests not done in {WRITE_TIMEOUT_S:.0f}s")
+            time.sleep(0.005)
+        failed = [r for r in receivers if r.poll() == KVPoll.Failed]
+        if failed:
+            raise RuntimeError(f"transfer failed: {failed[0].failure_exception()}")
+        result = Transfer(
+            seconds=max(r.state.finished_at for r in receivers)
+            - min(r.started_at for r in receivers),
+            nbytes=sum(r.nbytes for r in receivers),
+            descriptors=sum(r.descriptors for r in receivers))
+        for receiver in receivers:
+            self.node.forget(receiver)
+        return result
+
+    def raw(self, requests: list[tuple[np.ndarray, np.ndarray]]) -> dict:
+        """The raw engine on the same pages: write and plan seconds, descriptors, bytes."""
+        return self.child.call("raw", requests=[[s.tolist(), d.tolist()] for s, d in requests])
+
+    def close(self) -> None:
+        try:
+            if self.node is not None:
+                self.node.close()
+        finally:
+            self.node = None
+            self.child.call("teardown")
+
+
+# ---- measuring -------------------------------------------------------------------------------
+
+def progress(text: str) -> None:
+    print(f"[bench] {text}", file=sys.stderr, flush=True)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def timed(run: Callable[[], object], repeat: int, min_sample_s: float = 0.002) -> float:
+    """Median seconds of one ``run()``, over samples of enough calls to last ``min_sample_s``."""
+    calls, start = 0, time.perf_counter()
+    while calls == 0 or time.perf_counter() - start < min_sample_s:
+        run()
+        calls += 1
+    samples = []
+    for _ in range(max(repeat, 3)):
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+class Memcpy:
+    """One ``memmove`` between two scratch buffers (written once, so no page faults when timed)."""
+
+    def __init__(self) -> None:
+        self._src = self._dst = np.zeros(0, dtype=np.uint8)
+
+    def seconds(self, nbytes: int, *, fresh: bool = False) -> float:
+        """Seconds of the memmove; ``fresh``: into a new torch allocation, which pays its page
+        faults too — the limit for an operation that allocates its result (``get_cpu_copy``)."""
+        if nbytes > self._src.size:
+            self.free()
+            self._src = np.full(nbytes, 1, dtype=np.uint8)
+            self._dst = np.full(nbytes, 2, dtype=np.uint8)
+        dst = torch.empty(nbytes, dtype=torch.uint8).numpy() if fresh else self._dst
+        start = time.perf_counter()
+        ctypes.memmove(dst.ctypes.data, self._src.ctypes.data, nbytes)
+        return time.perf_counter() - start
+
+    def free(self) -> None:
+        self._src = self._dst = np.zeros(0, dtype=np.uint8)
+
+
+def measure(session: TransferSession, memcpy: Memcpy, requests: list, repeat: int) -> dict:
+    """End-to-end, raw engine and memcpy on the same requests, interleaved: medians of each, and
+    ``ratio_vs_raw`` (and ``overhead_ms``, what dsa-bridge adds to a request) as the median of the
+    ratios (differences) of back-to-back pairs, which a drift of the machine's load affects least;
+    every sample is kept."""
+    layers = session.geometry.layers
+    expected = sum(runs(src, dst) for src, dst in requests) * layers * 2
+    session.end_to_end(requests)  # warm-up: the engine's paths, caches, the planner
+    e2e, raw, copy, plan = [], [], [], []
+    for i in range(repeat):
+        for kind in ("e2e", "raw") if i % 2 == 0 else ("raw", "e2e"):
+            if kind == "e2e":
+                transfer = session.end_to_end(requests)
+                e2e.append(transfer.seconds)
+            else:
+                reply = session.raw(requests)
+                raw.append(reply["seconds"])
+                plan.append(reply["plan_seconds"])
+        copy.append(memcpy.seconds(transfer.nbytes))
+    e2e_s, raw_s, copy_s, plan_s = (statistics.median(x) for x in (e2e, raw, copy, plan))
+    nbytes = transfer.nbytes
+    return {
+        "model": session.geometry.model, "layers": layers, "tokens": int(requests[0][0].size * PAGE),
+        "requests": len(requests), "bytes": nbytes, "runs": expected // (layers * 2),
+        "descriptors": transfer.descriptors, "raw_descriptors": reply["descriptors"],
+        "descriptors_expected": expected,
+        "descriptors_exact": transfer.descriptors == expected == reply["descriptors"]
+        and reply["nbytes"] == nbytes,
+        "e2e_s": e2e_s, "raw_s": raw_s, "memcpy_s": copy_s, "plan_s": plan_s,
+        "e2e_gbps": gbps(nbytes, e2e_s), "raw_gbps": gbps(nbytes, raw_s),
+        "memcpy_gbps": gbps(nbytes, copy_s),
+        "ratio_vs_raw": statistics.median(r / e for r, e in zip(raw, e2e, strict=True)),
+        "overhead_ms": 1e3 * statistics.median(e - r for r, e in zip(raw, e2e, strict=True)),
+        "ratio_vs_memcpy": copy_s / e2e_s, "raw_vs_memcpy": copy_s / raw_s,
+        "plan_share": plan_s / e2e_s, "e2e_samples_s": e2e, "raw_samples_s": raw,
+    }
+
+
+def transfer_jobs(sizes: Sizes) -> list[tuple[Geometry, list[tuple[str, str, int, int]]]]:
+    """Per geometry (pool sized for its largest point): (sweep, pattern, pages per request,
+    requests) points. Both sides hold one such pool; the bench process also two memcpy buffers."""
+    deepseek = [("length", "contiguous", t // PAGE, 1) for t in sizes.lengths]
+    deepseek += [("descriptors", p, sizes.sweep_tokens // PAGE, 1) for p in PATTERNS[1:]]
+    deepseek += [("concurrency", "contiguous", sizes.concurrency_tokens // PAGE, c)
+                 for c in sizes.concurrency]
+    jobs = [(("deepseek-v3.2", 61, "fp8"), deepseek),
+            (("deepseek-v3.2", sizes.long_layers, "fp8"),
+             [("length_long", "contiguous", t // PAGE, 1) for t in sizes.long_lengths])]
+    jobs += [(("glm-5.2", n, "fp8_raw"), [("layers", "contiguous", sizes.sweep_tokens // PAGE, 1)])
+             for n in sizes.layer_counts]
+    out = []
+    for (model, layers, kv_dtype), points in jobs:
+        pages = max(pool_pages(pattern, n * k) for _, pattern, n, k in points)
+        out.append((Geometry(model, layers, kv_dtype, pool_tokens=pages * PAGE), points))
+    return out
+
+
+def run_transfers(sizes: Sizes, backends: list[str]) -> tuple[list[dict], dict[str, str]]:
+    """Every transfer point on every backend: rows, and the transport each backend used."""
+    rows, transports = [], {}
+    child = PrefillChild()
+    try:
+        for backend in backends:
+            for geometry, points in transfer_jobs(sizes):
+                transports[backend] = measure_geometry(child, backend, geometry, points,
+                                                       sizes.repeat, rows)
+    finally:
+        child.stop()
+    return rows, transports
+
+
+def measure_geometry(child: PrefillChild, backend: str, geometry: Geometry, points: list,
+                     repeat: int, rows: list[dict]) -> str:
+    """The points of one geometry, appended to ``rows``; returns the transport. Its pools and
+    memcpy buffers are gone when it returns, before the next geometry allocates its own."""
+    session = TransferSession(child, backend, geometry)
+    memcpy = Memcpy()
+    try:
+        for sweep, pattern, pages, count in points:
+            row = {"backend": backend, "sweep": sweep, "pattern": pattern,
+                   **measure(session, memcpy, page_ids(pattern, pages, count), repeat)}
+            rows.append(row)
+            progress(f"{backend} {geometry.model} x{geometry.layers} {sweep} {row['tokens']} "
+                     f"tokens x{count} {pattern}: end-to-end {row['e2e_gbps']:.2f} GB/s, raw "
+                     f"{row['raw_gbps']:.2f} ({row['ratio_vs_raw']:.2f}x), memcpy "
+                     f"{row['memcpy_gbps']:.1f}")
+        return session.transport
+    finally:
+        session.close()
+        memcpy.free()
+        trim_heap()
+
+
+def hand_built_buffers(layout: DSALayout, pages: int, base: int) -> list[Buffer]:
+    """Buffers of ``pages`` pages (plus padding) at made-up addresses: the planner only does math."""
+    buffers, ptr = [], base
+    for layer in layout.layer_ids:
+        for kind, item_len in (("kv", layout.kv_page_bytes), ("index", layout.index_page_bytes)):
+            nbytes = (pages + 1) * item_len
+            buffers.append(Buffer(layer, kind, ptr, nbytes, item_len))
+            ptr += nbytes + 4096
+    return buffers
+
+
+def plan_cost(sizes: Sizes) -> list[dict]:
+    """``plan_writes`` of one DeepSeek-V3.2 request (61 layers, both caches), per page pattern."""
+    layout = DSALayout.preset("deepseek-v3.2")
+    most = pool_pages("per_page", max(sizes.plan_lengths) // PAGE)
+    pairs = pair_buffers(hand_built_buffers(layout, most, 1 << 40),
+                         hand_built_buffers(layout, most, 1 << 44))
+    rows = []
+    for tokens in sizes.plan_lengths:
+        for pattern in PATTERNS:
+            src, dst = page_ids(pattern, max(1, tokens // PAGE))[0]
+            plan = plan_writes(pairs, src, dst)
+            seconds = timed(lambda src=src, dst=dst: plan_writes(pairs, src, dst), sizes.repeat)
+            rows.append({"tokens": tokens, "pattern": pattern, "pages": int(src.size),
+                         "runs": plan.runs, "descriptors": plan.descriptors,
+                         "bytes": plan.nbytes, "seconds": seconds})
+    progress(f"planning: {len(rows)} points, at most {max(r['seconds'] for r in rows) * 1e3:.2f} ms")
+    return rows
+
+
+def token_locs(pattern: str, tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, target) token locations, disjoint, inside a pool of ``2 * tokens`` tokens."""
+    pages = tokens // PAGE
+    if pattern == "scattered":  # single tokens anywhere, as speculative decoding moves them
+        perm = np.random.default_rng(seed).permutation(2 * tokens) + PAGE
+        src, tgt = perm[:tokens], perm[tokens:]
+    else:  # a request's tokens: whole pages, in one run or in allocator blocks
+        src_pages, dst_pages = page_ids(pattern, pages)[0]
+        offsets = np.arange(PAGE)
+        src = (src_pages[:, None] * PAGE + offsets).ravel()
+        tgt = ((dst_pages + pages)[:, None] * PAGE + offsets).ravel()
+    return torch.from_numpy(src.astype(np.int64)), torch.from_numpy(tgt.astype(np.int64))
+
+
+def pool_ops(sizes: Sizes) -> list[dict]:
+    """Each pool operation on ``pool_tokens`` tokens of DeepSeek-V3.2 (61 layers), per pattern,
+    against a memmove of the same bytes (the tokens' cache: KV and indexer, every layer)."""
+    pool = DSATokenToKVPool.from_layout(DSALayout.preset("deepseek-v3.2"),
+                                        size=2 * sizes.pool_tokens)
+    memcpy = Memcpy()
+    rows = []
+    for pattern in LOC_PATTERNS:
+        rows += pool_op_rows(pool, memcpy, pattern, sizes.pool_tokens, max(sizes.repeat, 3))
+    return rows
+
+
+def pool_op_rows(pool: DSATokenToKVPool, memcpy: Memcpy, pattern: str, tokens: int,
+                 repeat: int) -> list[dict]:
+    """The three operations on one pattern of token locations, each after two warm-up calls.
+    ``get_cpu_copy`` allocates the host copy it returns, so it is also set against a memmove
+    into a fresh allocation: when the allocator hands it new pages, their faults dominate."""
+    src, tgt = token_locs(pattern, tokens)
+    copy = pool.get_cpu_copy(src)
+    nbytes = tokens * pool.layout.bytes_per_token
+    ops = {"move_kv_cache": lambda: pool.move_kv_cache(tgt, src),
+           "get_cpu_copy": lambda: pool.get_cpu_copy(src),
+           "load_cpu_copy": lambda: pool.load_cpu_copy(copy, tgt)}
+    rows = []
+    for op, run in ops.items():
+        run()
+        run()
+        seconds, copies, fresh = [], [], []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            run()
+            seconds.append(time.perf_counter() - start)
+            copies.append(memcpy.seconds(nbytes))
+            if op == "get_cpu_copy":
+                fresh.append(memcpy.seconds(nbytes, fresh=True))
+        op_s, copy_s = statistics.median(seconds), statistics.median(copies)
+        row = {"op": op, "pattern": pattern, "tokens": tokens, "layers": pool.layout.num_layers,
+               "bytes": nbytes, "seconds": op_s, "gbps": gbps(nbytes, op_s),
+               "memcpy_gbps": gbps(nbytes, copy_s), "ratio_vs_memcpy": copy_s / op_s}
+        if fresh:
+            row["fresh_memcpy_gbps"] = gbps(nbytes, statistics.median(fresh))
+            row["ratio_vs_fresh_memcpy"] = statistics.median(fresh) / op_s
+        rows.append(row)
+        progress(f"pool {op} {pattern} {tokens} tokens: {row['gbps']:.2f} GB/s, "
+                 f"{row['ratio_vs_memcpy']:.2f}x memcpy")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="the prefill child of dsa-bridge bench")
+    parser.add_argument("--control", required=True, help="the bench process's ZMQ endpoint")
+    return serve(parser.parse_args(argv).control)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

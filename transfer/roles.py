@@ -170,6 +170,17 @@ def request_lengths(count: int, page_size: int, max_tokens: int, seed: int) -> l
     return [int(x) for x in rng.permutation(lengths)]
 
 
+def release_settled(node: DecodeNode, allocator: PageAllocator,
+                    held: list[tuple[KVReceiver, np.ndarray]]) -> None:
+    """Hand back the pages of every finished request that no write can still land in (invariant
+    8): refilled with the sentinel, returned to the allocator, the receiver forgotten."""
+    for receiver, pages in [h for h in held if h[0].can_release()]:
+        reset_pages(node.pool, pages)
+        allocator.free(pages)
+        node.forget(receiver)
+        held.remove((receiver, pages))
+
+
 def drive_decode(node: DecodeNode, lengths: list[int], *, concurrency: int = 4, seed: int = 2,
                  room_base: int = 0, deadline_s: float = 600.0, progress: bool = True) -> DecodeReport:
     """Run every request through the node, verify every byte, and report."""
@@ -210,11 +221,7 @@ def drive_decode(node: DecodeNode, lengths: list[int], *, concurrency: int = 4, 
                 continue
             del active[room]
             held.append((receiver, pages))
-        for receiver, pages in [h for h in held if h[0].can_release()]:
-            reset_pages(pool, pages)
-            allocator.free(pages)
-            node.forget(receiver)
-            held.remove((receiver, pages))
+        release_settled(node, allocator, held)
         now = time.monotonic()
         if progress and now >= next_progress:
             next_progress = now + 1.0

@@ -28,6 +28,7 @@ from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.request import KVPoll
 from dsa_bridge.transfer.roles import (
     count_mismatches,
+    release_settled,
     request_bytes,
     request_lengths,
     reset_pages,
@@ -113,11 +114,7 @@ def drive(node: DecodeNode, args: argparse.Namespace) -> dict:
             per_prefill[endpoint]["ok" if ok else "failed"] += 1
             del active[room]
             held.append((receiver, pages))
-        for receiver, pages in [h for h in held if h[0].can_release()]:
-            reset_pages(pool, pages)
-            allocator.free(pages)
-            node.forget(receiver)
-            held.remove((receiver, pages))
+        release_settled(node, allocator, held)
         if time.monotonic() >= next_progress:
             next_progress = time.monotonic() + 0.5
             print(f"[driver] ok={result['requests_ok']} failed={result['requests_failed']}",

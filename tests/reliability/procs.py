@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("driver.py")
 READY_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 20.0
+IGNORED_SIGTERMS: list[str] = []  # "name (pid)" of every node that needed a second SIGTERM
 
 
 class Hang(AssertionError):
@@ -66,10 +67,20 @@ class Node:
 
     def stop(self) -> int:
         """SIGTERM (after SIGCONT, in case a test froze it). A node still running after
-        STOP_TIMEOUT_S is marked hung, gets SIGABRT (its stacks go to its log), then SIGKILL."""
+        STOP_TIMEOUT_S gets its native stacks recorded and a second SIGTERM (a prefill node
+        ignored one, rarely, in CI: the stacks are there to find out why); still running after
+        that it is marked hung, gets SIGABRT (its Python stacks go to its log), then SIGKILL."""
         if self.process.poll() is None:
             self.signal(signal.SIGCONT)
             self.signal(signal.SIGTERM)
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                state = f"{signal_state(self.pid)}\n{native_stacks(self.pid)}"
+                IGNORED_SIGTERMS.append(f"{self.name} (pid {self.pid})")
+                print(f"{self.name} (pid {self.pid}) ignored SIGTERM for {STOP_TIMEOUT_S:.0f} s; "
+                      f"sending it again:\n{state}", file=sys.stderr, flush=True)
+                self.signal(signal.SIGTERM)
             try:
                 self.process.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -98,6 +109,16 @@ def signal_state(pid: int) -> str:
                                                  "SigIgn", "SigCgt")))
         lines.append(f"{tid}: {masks}")
     return "\n".join(lines)
+
+
+def native_stacks(pid: int) -> str:
+    """Every thread's C stack of a live process (gdb, bounded), or why there is none."""
+    try:
+        result = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 12"],
+                                capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"no native stacks: {exc}"
+    return "\n".join(line for line in result.stdout.splitlines() if line.startswith(("Thread", "#")))
 
 
 def gone(pid: int) -> bool:

@@ -144,8 +144,7 @@ class SignalStop(threading.Event):
     The Python handler sets it, and ``is_set`` also reads the signal wake-up pipe: the kernel
     hands a process-directed signal to any thread that does not block it (engine threads
     included), and its C-level handler always writes the signal number there, whereas the Python
-    handler runs only when the main thread gets back to the interpreter (a prefill node once
-    ignored a SIGTERM for 20 s in CI this way)."""
+    handler runs only when the main thread gets back to the interpreter."""
 
     def __init__(self) -> None:
         super().__init__()

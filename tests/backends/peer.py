@@ -93,10 +93,11 @@ class Peer:
 
     def threads_stopped(self) -> bool:
         """True when every thread of the process is in state T (stopped) or t (traced)."""
+        states = []
         try:
-            tasks = os.listdir(f"/proc/{self.process.pid}/task")
-            states = [open(f"/proc/{self.process.pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0]
-                      for t in tasks]
+            for task in os.listdir(f"/proc/{self.process.pid}/task"):
+                with open(f"/proc/{self.process.pid}/task/{task}/stat") as stat:
+                    states.append(stat.read().rsplit(")", 1)[1].split()[0])
         except OSError:
             return False
         return bool(states) and all(state in "Tt" for state in states)

@@ -1,4 +1,4 @@
-"""The launcher's pool command and its errors for bad input."""
+"""The launcher: the pool command, errors for bad input, and stopping on SIGTERM."""
 
 from __future__ import annotations
 

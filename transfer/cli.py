@@ -135,34 +135,11 @@ def cmd_pool(args) -> int:
     return 0
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class SignalStop(threading.Event):
-    """An Event that SIGTERM and SIGINT set; poll ``is_set`` from the main thread.
-
-    The Python handler sets it, and ``is_set`` also reads the signal wake-up pipe: the kernel
-    hands a process-directed signal to any thread that does not block it (engine threads
-    included), and its C-level handler always writes the signal number there, whereas the Python
-    handler runs only when the main thread gets back to the interpreter."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._wake_r, wake_w = os.pipe()
-        for fd in (self._wake_r, wake_w):
-            os.set_blocking(fd, False)
-        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, lambda *_: self.set())
-
-    def is_set(self) -> bool:
-        if not super().is_set():
-            try:
-                if set(os.read(self._wake_r, 64)) & set(STOP_SIGNALS):
-                    self.set()
-            except BlockingIOError:  # nothing written: no signal yet
-                pass
-        return super().is_set()
+def stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
 
 
 def cmd_prefill(args) -> int:
@@ -171,8 +148,8 @@ def cmd_prefill(args) -> int:
     from dsa_bridge.transfer.prefill import PrefillNode
     from dsa_bridge.transfer.roles import serve_prefill
 
-    stop = SignalStop()
     host, _ = parse_endpoint(args.listen, "--listen")
+    stop = stop_on_signals()
     pool = make_pool(args)
     backend = faulty.wrap_from_env(create_backend(args.backend, host=host))  # test-only hook
     node = PrefillNode(pool, backend, listen=args.listen,

@@ -131,7 +131,10 @@ class PrefillNode:
         self._replays = auth.ReplayGuard()
         self.counters = Counters()
         self.refusals: list[str] = []
-        self.incoming: queue.SimpleQueue[IncomingRoom] = queue.SimpleQueue()
+        # a Queue, not a SimpleQueue: CPython 3.11's SimpleQueue.get(timeout) blocks forever when
+        # a signal interrupts it near its deadline, and applications wait on this one with a
+        # timeout in their main thread, where SIGTERM arrives
+        self.incoming: queue.Queue[IncomingRoom] = queue.Queue()
         self.buffers = pool_buffers(pool)
         self.backend.register([MemoryRegion(d.ptr, d.nbytes, d.device) for d in pool.buffer_descriptors()])
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 import pytest
 
 from .netns import Host, Topology, loopback_hosts, unavailable
-from .procs import IGNORED_SIGTERMS, Hang, Processes
+from .procs import Hang, Processes
 
 
 @dataclass
@@ -140,6 +140,3 @@ def pytest_terminal_summary(terminalreporter) -> None:
         for f in fields(row):
             setattr(total, f.name, getattr(total, f.name) + getattr(row, f.name))
     write("| **total** | " + " | ".join(f"{getattr(total, f.name):,}" for f in fields(total)) + " |")
-    if IGNORED_SIGTERMS:
-        write(f"nodes that exited only on a second SIGTERM: {', '.join(IGNORED_SIGTERMS)} "
-              f"(their signal state and native stacks are in the test's captured stderr)")

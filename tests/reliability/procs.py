@@ -27,7 +27,6 @@ REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("driver.py")
 READY_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 20.0
-IGNORED_SIGTERMS: list[str] = []  # "name (pid)" of every node that needed a second SIGTERM
 
 
 class Hang(AssertionError):
@@ -67,24 +66,15 @@ class Node:
 
     def stop(self) -> int:
         """SIGTERM (after SIGCONT, in case a test froze it). A node still running after
-        STOP_TIMEOUT_S gets its native stacks recorded and a second SIGTERM (a prefill node
-        ignored one, rarely, in CI: the stacks are there to find out why); still running after
-        that it is marked hung, gets SIGABRT (its Python stacks go to its log), then SIGKILL."""
+        STOP_TIMEOUT_S is marked hung (its signal state and native stacks kept), gets SIGABRT
+        (its Python stacks go to its log), then SIGKILL."""
         if self.process.poll() is None:
             self.signal(signal.SIGCONT)
             self.signal(signal.SIGTERM)
             try:
                 self.process.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                state = f"{signal_state(self.pid)}\n{native_stacks(self.pid)}"
-                IGNORED_SIGTERMS.append(f"{self.name} (pid {self.pid})")
-                print(f"{self.name} (pid {self.pid}) ignored SIGTERM for {STOP_TIMEOUT_S:.0f} s; "
-                      f"sending it again:\n{state}", file=sys.stderr, flush=True)
-                self.signal(signal.SIGTERM)
-            try:
-                self.process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.hung = signal_state(self.pid)
+                self.hung = f"{signal_state(self.pid)}\n{native_stacks(self.pid)}"
                 self.signal(signal.SIGABRT)
                 try:
                     self.process.wait(5)

@@ -52,26 +52,6 @@ def test_bad_input_is_a_clear_error(capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
-SIGNAL_CHILD = """
-import os, signal, time
-from dsa_bridge.transfer.cli import SignalStop
-stop = SignalStop()
-print(stop.is_set(), flush=True)
-signal.signal(signal.SIGTERM, lambda *_: None)  # a handler that does not set it
-os.kill(os.getpid(), signal.SIGTERM)
-time.sleep(0.05)
-print(stop.is_set(), stop.is_set(), flush=True)
-"""
-
-
-def test_signal_stop_sees_a_sigterm_through_the_wakeup_pipe_alone():
-    """Even when no Python handler sets it, the signal number on the wake-up pipe does."""
-    result = subprocess.run([sys.executable, "-c", SIGNAL_CHILD], capture_output=True, text=True,
-                            timeout=60, stdin=subprocess.DEVNULL)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["False", "True", "True"]
-
-
 def test_prefill_exits_cleanly_on_sigterm():
     """A long-lived prefill node stops on SIGTERM: exit code 0 and its counters on stderr."""
     process = subprocess.Popen(

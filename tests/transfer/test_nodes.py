@@ -5,6 +5,10 @@ the same paths run over real engines in real processes in tests/integration."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -301,3 +305,42 @@ def test_listen_on_a_busy_port_is_a_clear_error():
         with pytest.raises(OSError, match=f"cannot listen on {first.endpoint}"):
             PrefillNode(make_pool(), engine, listen=first.endpoint)
     assert engine.closed
+
+
+SIGNAL_FLOOD = """
+import queue, signal, threading, time
+from dsa_bridge.transfer.prefill import PrefillNode
+from tests.transfer.fake_backend import FakeBackend
+from tests.transfer.helpers import make_pool
+
+node = PrefillNode(make_pool(), FakeBackend())
+signal.signal(signal.SIGUSR1, lambda *_: None)
+main, done = threading.main_thread().ident, threading.Event()
+
+def flood():
+    while not done.is_set():
+        signal.pthread_kill(main, signal.SIGUSR1)
+        time.sleep(0.0001)
+
+threading.Thread(target=flood, daemon=True).start()
+for _ in range(3000):
+    try:
+        node.incoming.get(timeout=0.001)
+    except queue.Empty:
+        pass
+done.set()
+node.close()
+print("served", flush=True)
+"""
+
+
+def test_waiting_on_incoming_with_a_timeout_survives_signals():
+    """The launcher's main loop polls ``incoming`` with a timeout while SIGTERM may arrive. On
+    CPython 3.11 a ``SimpleQueue.get(timeout)`` that a signal interrupts near its deadline
+    recomputes a negative timeout and then blocks forever (a prefill node ignored SIGTERM in CI
+    this way); ``incoming`` must keep returning under a flood of signals."""
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", SIGNAL_FLOOD], capture_output=True, text=True,
+                            timeout=60, stdin=subprocess.DEVNULL, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("served")

@@ -1,8 +1,8 @@
-"""dsa_bridge.plugin — the pool side: DSA geometry, the uniform pool, descriptors and sizing.
+"""dsa_bridge.plugin — the pool side: DSA geometry and layer sets, the pool, descriptors, sizing.
 
 Reading order: ``layout`` (geometry, byte math, layout hash, presets) -> ``sizing`` (bytes per
 token, capacity, allocation) -> ``descriptors`` (registered buffers and their validation) ->
-``pool`` (the SGLang-compatible ``DSATokenToKVPool``).
+``pool`` (the SGLang-compatible ``DSATokenToKVPool``, uniform or compact).
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from .descriptors import (
     validate_descriptors,
 )
 from .layout import (
+    INDEXER_LAYOUTS,
     KV_DTYPES,
     LAYOUT_VERSION,
     PRESETS,
     DSALayout,
-    indexer_layer_ids,
+    index_layer_ids_for,
     load_model_config,
     skip_topk_layer_ids,
 )
@@ -34,6 +35,7 @@ from .sizing import (
 
 __all__ = [
     "CACHE_KINDS",
+    "INDEXER_LAYOUTS",
     "KV_DTYPES",
     "LAYOUT_VERSION",
     "PRESETS",
@@ -44,8 +46,8 @@ __all__ = [
     "DSATokenToKVPool",
     "allocation_bytes",
     "bytes_per_token",
+    "index_layer_ids_for",
     "index_sharing_report",
-    "indexer_layer_ids",
     "load_model_config",
     "page_bytes",
     "pool_capacity_tokens",

@@ -3,16 +3,25 @@
 A descriptor is one registered region: ``(layer_id, kind, ptr, nbytes, item_len, device)``, page
 ``p`` of it at ``ptr + p * item_len``. ``validate_descriptors`` is the gate every list passes
 before it is registered or published: no zero-size or null region (the seed's IMA), no overlap,
-every layer paired with both caches, item lengths equal to the layout's page sizes.
+every layer with a KV buffer, indexer buffers exactly where the layout has them, item lengths
+equal to the layout's page sizes.
+
+``BufferSet.from_buf_infos`` takes buffers in SGLang's three-list form with their layer ids —
+including SGLang 0.5.23's zero-row form, where an index-sharing layer's indexer entry is
+``(0, 0, 0)`` — and normalises them by layer id: a zero-length indexer entry becomes an absent
+one (logged, never registered or planned); anything else odd is refused.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from .layout import DSALayout
+
+log = logging.getLogger(__name__)
 
 CacheKind = Literal["kv", "index"]
 CACHE_KINDS: tuple[str, ...] = ("kv", "index")
@@ -90,12 +99,9 @@ def validate_descriptors(
         if key in seen:
             raise ValueError(f"{d.name()}: duplicate descriptor")
         seen[key] = d
-    layers = sorted({lid for lid, _ in seen})
-    for lid in layers:
-        for kind in CACHE_KINDS:
-            if (lid, kind) not in seen:
-                other = "an index" if kind == "kv" else "a kv"
-                raise ValueError(f"layer {lid}: has {other} buffer but no {kind} buffer")
+    for lid, kind in sorted(seen):
+        if kind == "index" and (lid, "kv") not in seen:
+            raise ValueError(f"layer {lid}: has an index buffer but no kv buffer")
     _check_overlap(descs)
     if layout is None:
         return
@@ -103,12 +109,25 @@ def validate_descriptors(
         want = page_bytes(layout, d.kind)
         if d.item_len != want:
             raise ValueError(f"{d.name()}: item_len {d.item_len} != layout's {want}")
-    missing = sorted(set(layout.layer_ids) - set(layers))
+    layers = {lid for lid, _ in seen}
+    missing = sorted(set(layout.layer_ids) - layers)
     if missing:
         raise ValueError(f"layer {missing[0]}: in the layout but has no buffers")
-    extra = sorted(set(layers) - set(layout.layer_ids))
+    extra = sorted(layers - set(layout.layer_ids))
     if extra:
         raise ValueError(f"layer {extra[0]}: has buffers but is not in the layout")
+    index_layers = {lid for lid, kind in seen if kind == "index"}
+    lacking = sorted(set(layout.index_layer_ids) - index_layers)
+    if lacking:
+        raise ValueError(f"layer {lacking[0]}: the layout holds its indexer but no index buffer is given")
+    surplus = sorted(index_layers - set(layout.index_layer_ids))
+    if surplus:
+        raise ValueError(f"layer {surplus[0]}: has an index buffer but {layout.absent_indexer(surplus[0])}")
+
+
+def ordered(descs: Sequence[BufferDescriptor]) -> list[BufferDescriptor]:
+    """Descriptors by (layer id, kv before index)."""
+    return sorted(descs, key=lambda d: (d.layer_id, CACHE_KINDS.index(d.kind)))
 
 
 def to_three_lists(
@@ -116,3 +135,72 @@ def to_three_lists(
 ) -> tuple[list[int], list[int], list[int]]:
     """SGLang's ``KVArgs`` form: ``(data_ptrs, data_lens, item_lens)`` in the given order."""
     return [d.ptr for d in descs], [d.nbytes for d in descs], [d.item_len for d in descs]
+
+
+class BufferSet:
+    """A layout and its validated buffer descriptors: what a transfer node registers and pairs.
+
+    A pool is one (``DSATokenToKVPool.buffer_descriptors``); buffers another engine allocated are
+    another, built with ``from_buf_infos``."""
+
+    def __init__(self, layout: DSALayout, descriptors: Sequence[BufferDescriptor]):
+        validate_descriptors(descriptors, layout)
+        self.layout = layout
+        self._descriptors = ordered(descriptors)
+
+    def buffer_descriptors(self) -> list[BufferDescriptor]:
+        return list(self._descriptors)
+
+    @classmethod
+    def from_buf_infos(
+        cls,
+        layout: DSALayout,
+        kv: tuple[Sequence[int], Sequence[int], Sequence[int]],
+        kv_layer_ids: Sequence[int],
+        state: tuple[Sequence[int], Sequence[int], Sequence[int]],
+        state_layer_ids: Sequence[int],
+        device: str = "cpu",
+    ) -> BufferSet:
+        """Buffers in SGLang's ``KVArgs`` form: ``kv`` and ``state`` as (data_ptrs, data_lens,
+        item_lens), each entry's global layer id in ``*_layer_ids``.
+
+        A state (indexer) entry of zero length is an index-sharing layer's placeholder (SGLang
+        0.5.23 gives those layers 0-row tensors): it is dropped — absent, not empty — and the
+        layers dropped are logged; the result must then match ``layout``'s indexer layers. A
+        zero-length KV entry, a null pointer with bytes behind it, ragged lists or unknown layer
+        ids are refused (ValueError naming the entry)."""
+        descs = _entries("kv", kv, kv_layer_ids, device, keep_empty=False)
+        states = _entries("index", state, state_layer_ids, device, keep_empty=True)
+        dropped = [d.layer_id for d in states if d.nbytes == 0]
+        if dropped:
+            log.info("indexer entries of layers %s are zero-length (index-sharing placeholders): "
+                     "absent, not registered", dropped)
+        return cls(layout, descs + [d for d in states if d.nbytes != 0])
+
+
+def _entries(kind: str, lists, layer_ids: Sequence[int], device: str, *,
+             keep_empty: bool) -> list[BufferDescriptor]:
+    """Three lists + layer ids -> descriptors; zero-length entries only where ``keep_empty``."""
+    name = "kv" if kind == "kv" else "state"
+    if not isinstance(lists, (tuple, list)) or len(lists) != 3:
+        raise ValueError(f"{name} buffer infos must be (data_ptrs, data_lens, item_lens)")
+    ptrs, lens, items = (list(x) for x in lists)
+    ids = list(layer_ids)
+    if not len(ptrs) == len(lens) == len(items) == len(ids):
+        raise ValueError(f"{name} buffer infos are ragged: {len(ptrs)} ptrs, {len(lens)} lens, "
+                         f"{len(items)} item_lens, {len(ids)} layer ids")
+    out = []
+    for i, (lid, ptr, nbytes, item_len) in enumerate(zip(ids, ptrs, lens, items, strict=True)):
+        for label, value in (("layer id", lid), ("ptr", ptr), ("len", nbytes), ("item_len", item_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} entry {i}: {label} must be a non-negative int, got {value!r}")
+        if nbytes == 0 and keep_empty:
+            out.append(BufferDescriptor(lid, kind, ptr, 0, item_len, device))
+            continue
+        problem = ("zero-length buffer" if nbytes == 0 else "null pointer" if ptr == 0
+                   else "item_len of 0" if item_len == 0 else "")
+        if problem:
+            raise ValueError(f"{name} entry {i} (layer {lid}): ptr={ptr:#x}, len={nbytes}, "
+                             f"item_len={item_len}: a {problem} is never registered")
+        out.append(BufferDescriptor(lid, kind, ptr, nbytes, item_len, device))
+    return out

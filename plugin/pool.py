@@ -1,16 +1,19 @@
-"""The uniform DSA token-to-KV pool: per layer one MLA KV buffer and one indexer buffer.
+"""The DSA token-to-KV pool: per layer one MLA KV buffer and, where the layout says, one indexer.
 
 Device-agnostic (CPU tensors in tests, CUDA on GPUs) and SGLang-compatible in names and shapes
 (``kv_buffer``, ``index_k_with_scale_buffer``, ``get_contiguous_buf_infos``,
-``get_state_buf_infos``, ``move_kv_cache``, ``get_cpu_copy``, ``load_cpu_copy``). Every layer has
-both buffers, none of zero size. The KV buffer is indexed by token row; the indexer buffer by page
-(``loc // page_size``) and in-page offset (``loc % page_size``) — never by token location.
-Every public operation validates all of its input before it touches a byte.
+``get_state_buf_infos``, ``move_kv_cache``, ``get_cpu_copy``, ``load_cpu_copy``). Uniform (the
+default): every layer has both buffers. Compact: an index-sharing layer has no indexer buffer at
+all — absent, not empty: no zero-size tensor, no entry in any list, and asking for it is an error
+naming its producer. No buffer is ever of zero size. The KV buffer is indexed by token row; the
+indexer buffer by page (``loc // page_size``) and in-page offset (``loc % page_size``) — never by
+token location. Every public operation validates all of its input before it touches a byte.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,11 +107,42 @@ def resolve_kv_dtype(dtype: Any, kv_cache_dim: int | None, kv_lora_rank: int, ro
     )
 
 
+class AbsentIndexerError(ValueError):
+    """A layer's indexer was asked for where the layout holds none (compact pool)."""
+
+
+class IndexerBuffers(Sequence):
+    """``index_k_with_scale_buffer``: one entry per layer position, like ``kv_buffer``. In a
+    compact pool a shared layer's entry is absent: indexing it raises AbsentIndexerError naming
+    the layer and its producer (never a zero-size tensor); ``present()`` lists the others."""
+
+    def __init__(self, layout: DSALayout, buffers: dict[int, torch.Tensor]):
+        self._layout = layout
+        self._buffers = buffers
+
+    def __len__(self) -> int:
+        return self._layout.num_layers
+
+    def __getitem__(self, position):
+        if isinstance(position, slice):
+            raise TypeError("index_k_with_scale_buffer takes a layer position, not a slice")
+        layer_id = self._layout.layer_ids[position]
+        try:
+            return self._buffers[layer_id]
+        except KeyError:
+            raise AbsentIndexerError(self._layout.absent_indexer(layer_id)) from None
+
+    def present(self) -> list[tuple[int, torch.Tensor]]:
+        """(global layer id, buffer) of every layer that holds an indexer, in layer order."""
+        return list(self._buffers.items())
+
+
 @dataclass(frozen=True)
 class CpuCopy:
-    """A host copy of some tokens' cache, every layer: per layer ``kv[i]`` (n, 1, kv_cache_dim),
-    ``index_keys[i]`` (n, index_head_dim) and ``index_scales[i]`` (n, scale bytes), CPU tensors,
-    in the order of the token locations it was taken from."""
+    """A host copy of some tokens' cache: per layer ``kv[i]`` (n, 1, kv_cache_dim), and per
+    indexer layer (``layout.index_layer_ids``) ``index_keys[j]`` (n, index_head_dim) and
+    ``index_scales[j]`` (n, scale bytes), CPU tensors, in the order of the token locations it was
+    taken from."""
 
     layout: DSALayout
     num_tokens: int
@@ -118,7 +152,8 @@ class CpuCopy:
 
 
 class DSATokenToKVPool:
-    """Uniform DSA pool; see the module docstring. ``layout`` describes its geometry."""
+    """DSA pool, uniform or compact; see the module docstring. ``layout`` describes its
+    geometry and which layers hold an indexer."""
 
     state_type = "dsa"
 
@@ -139,6 +174,7 @@ class DSATokenToKVPool:
         index_buf_size: int | None = None,
         *,
         index_quant_block: int = 128,
+        index_layer_ids: Sequence[int] | None = None,
         guard_bytes: int = 0,
     ) -> None:
         if enable_memory_saver:
@@ -162,6 +198,7 @@ class DSATokenToKVPool:
             kv_dtype=resolve_kv_dtype(dtype, kv_cache_dim, kv_lora_rank, qk_rope_head_dim),
             index_head_dim=index_head_dim,
             index_quant_block=index_quant_block,
+            index_layers=None if index_layer_ids is None else tuple(index_layer_ids),
         )
         if kv_cache_dim is not None and kv_cache_dim != layout.kv_cache_dim:
             raise ValueError(
@@ -223,15 +260,18 @@ class DSATokenToKVPool:
             for _ in layout.layer_ids
         ]
         pages = index_pages(layout, self.index_buf_size)
-        self.index_k_with_scale_buffer = [
-            self._alloc((pages, layout.index_page_bytes), torch.uint8, dev)
-            for _ in layout.layer_ids
-        ]
+        self.index_k_with_scale_buffer = IndexerBuffers(layout, {
+            lid: self._alloc((pages, layout.index_page_bytes), torch.uint8, dev)
+            for lid in layout.index_layer_ids
+        })
+        self.kv_layer_ids = list(layout.layer_ids)
+        self.state_layer_ids = list(layout.index_layer_ids)
         self.device = str(self.kv_buffer[0].device)
-        # Row views for the token operations, per layer: (KV, indexer keys, indexer scales).
-        # [0] by token: keys and scales as rows of the widest size that divides them and every
-        # (page, offset) position of them. [1] by page, for tokens that fill whole pages (a
-        # request's): a page's keys, and its scales, as one (strided) row each.
+        # Row views for the token operations, per layer: (KV, indexer keys, indexer scales); a
+        # layer without an indexer has just (KV,). [0] by token: keys and scales as rows of the
+        # widest size that divides them and every (page, offset) position of them. [1] by page,
+        # for tokens that fill whole pages (a request's): a page's keys, and its scales, as one
+        # (strided) row each.
         page_bytes, split = layout.index_page_bytes, layout.page_size * layout.index_head_dim
         key_w = math.gcd(layout.index_head_dim, page_bytes)
         scale_w = math.gcd(layout.index_scale_bytes, page_bytes, split)
@@ -242,8 +282,14 @@ class DSATokenToKVPool:
             (kv_part, (split, page_align), (page_bytes - split, page_align)),
         )
         self._row_views: tuple[list[tuple[torch.Tensor, ...]], ...] = ([], [])
-        for kv, ix in zip(self.kv_buffer, self.index_k_with_scale_buffer, strict=True):
+        indexers = dict(self.index_k_with_scale_buffer.present())
+        for lid, kv in zip(layout.layer_ids, self.kv_buffer, strict=True):
             token_rows = _rows(kv, layout.kv_row_bytes)
+            ix = indexers.get(lid)
+            if ix is None:
+                self._row_views[0].append((token_rows,))
+                self._row_views[1].append((token_rows,))
+                continue
             self._row_views[0].append((token_rows, _rows(ix, key_w), _rows(ix, scale_w)))
             pages = _rows(ix, page_bytes, page_align)
             cut = pages.shape[1] * split // page_bytes
@@ -263,7 +309,7 @@ class DSATokenToKVPool:
     @property
     def guard_allocations(self) -> tuple[torch.Tensor, ...]:
         """With guard_bytes > 0: the uint8 allocations the buffers are carved from (all KV
-        buffers, then all indexer buffers); buffer bytes at ``[guard_bytes, len - guard_bytes)``."""
+        buffers, then every indexer buffer); buffer bytes at ``[guard_bytes, len - guard_bytes)``."""
         return tuple(self._guards)
 
     def layer_index(self, layer_id: int) -> int:
@@ -280,7 +326,8 @@ class DSATokenToKVPool:
             ) from None
 
     def page_view(self, layer_id: int, kind: str) -> torch.Tensor:
-        """uint8 (pages, item_len) view of one buffer, sharing its storage."""
+        """uint8 (pages, item_len) view of one buffer, sharing its storage; AbsentIndexerError
+        for the indexer of a layer that holds none."""
         i = self.layer_index(layer_id)
         if kind == "kv":
             raw = self.kv_buffer[i].view(torch.uint8)
@@ -288,6 +335,10 @@ class DSATokenToKVPool:
         if kind == "index":
             return self.index_k_with_scale_buffer[i]
         raise ValueError(f"kind must be 'kv' or 'index', got {kind!r}")
+
+    def buffer_keys(self) -> list[tuple[int, str]]:
+        """(layer id, kind) of every buffer the pool holds, in descriptor order."""
+        return [(d.layer_id, d.kind) for d in self.buffer_descriptors()]
 
     def _whole_pages(self, locs: torch.Tensor) -> bool:
         """True when ``locs`` are whole pages, each one's tokens in order (a request's tokens)."""
@@ -316,39 +367,47 @@ class DSATokenToKVPool:
                 _sub_rows(scales, scale_w, lay.index_scale_bytes))
 
     # ---- descriptors ---------------------------------------------------------------------------
+    def _buffers(self) -> list[tuple[int, str, torch.Tensor]]:
+        """(layer id, kind, tensor) of every buffer held, ordered by layer, KV before indexer."""
+        indexers = dict(self.index_k_with_scale_buffer.present())
+        out = []
+        for lid, kv in zip(self.layout.layer_ids, self.kv_buffer, strict=True):
+            out.append((lid, "kv", kv))
+            if lid in indexers:
+                out.append((lid, "index", indexers[lid]))
+        return out
+
     def buffer_descriptors(self) -> list[BufferDescriptor]:
-        """Both buffers of every layer, ordered by (layer_id, kv then index); validated."""
-        descs = []
-        for i, lid in enumerate(self.layout.layer_ids):
-            for kind, buf in (
-                ("kv", self.kv_buffer[i]),
-                ("index", self.index_k_with_scale_buffer[i]),
-            ):
-                descs.append(
-                    BufferDescriptor(
-                        layer_id=lid,
-                        kind=kind,
-                        ptr=buf.data_ptr(),
-                        nbytes=buf.numel() * buf.element_size(),
-                        item_len=page_bytes(self.layout, kind),
-                        device=str(buf.device),
-                    )
-                )
+        """Every buffer held, ordered by (layer_id, kv then index); validated. A compact pool
+        lists no indexer entry at all for a layer without one."""
+        descs = [
+            BufferDescriptor(
+                layer_id=lid,
+                kind=kind,
+                ptr=buf.data_ptr(),
+                nbytes=buf.numel() * buf.element_size(),
+                item_len=page_bytes(self.layout, kind),
+                device=str(buf.device),
+            )
+            for lid, kind, buf in self._buffers()
+        ]
         validate_descriptors(descs, self.layout)
         return descs
 
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
-        """KV buffers as SGLang's (data_ptrs, data_lens, item_lens), in layer order."""
+        """KV buffers as SGLang's (data_ptrs, data_lens, item_lens), in the order of
+        ``kv_layer_ids``."""
         return to_three_lists([d for d in self.buffer_descriptors() if d.kind == "kv"])
 
     def get_state_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
-        """Indexer buffers as SGLang's (data_ptrs, data_lens, item_lens), in layer order."""
+        """Indexer buffers as SGLang's (data_ptrs, data_lens, item_lens), in the order of
+        ``state_layer_ids`` (the layers that hold one: a compact pool has fewer entries, none
+        empty)."""
         return to_three_lists([d for d in self.buffer_descriptors() if d.kind == "index"])
 
     def get_kv_size_bytes(self) -> int:
         """Bytes of all KV and indexer buffers, padding included, guard bytes excluded."""
-        buffers = self.kv_buffer + self.index_k_with_scale_buffer
-        return sum(t.numel() * t.element_size() for t in buffers)
+        return sum(t.numel() * t.element_size() for _, _, t in self._buffers())
 
     def canaries_intact(self) -> bool:
         """False if any guard byte around any buffer changed; True when guard_bytes == 0."""
@@ -400,11 +459,13 @@ class DSATokenToKVPool:
         # overlapping sources are first gathered into a snapshot, one per cache part, reused by
         # every layer; disjoint ones are copied straight across
         overlap = bool(torch.isin(tgt, src).any())
+        widest = max(self._row_views[by_page], key=len)  # a layer with every cache part
         snapshots = [view.new_empty((rows.numel(), view.shape[1])) if overlap else None
-                     for view, rows in zip(self._row_views[by_page][0], src_rows, strict=True)]
+                     for view, rows in zip(widest, src_rows, strict=False)]
         for views in self._row_views[by_page]:
+            # a layer without an indexer has only its KV view: zip stops after it
             for view, s_rows, t_rows, snapshot in zip(views, src_rows, tgt_rows, snapshots,
-                                                      strict=True):
+                                                      strict=False):
                 if snapshot is None:
                     _copy_rows(view, t_rows, view, s_rows)
                 else:
@@ -414,8 +475,9 @@ class DSATokenToKVPool:
     def get_cpu_copy(
         self, token_locs: torch.Tensor, *, chunk_size: int = DEFAULT_CHUNK_TOKENS
     ) -> CpuCopy:
-        """Host copy of these tokens' KV rows and indexer key+scale bytes, every layer, taken
-        ``chunk_size`` tokens at a time (bounds the device-side temporaries)."""
+        """Host copy of these tokens' KV rows (every layer) and indexer key+scale bytes (every
+        layer that holds an indexer), taken ``chunk_size`` tokens at a time (bounds the
+        device-side temporaries)."""
         locs = self._check_locs("token_locs", token_locs, target=False)
         _check_int("chunk_size", chunk_size, 1)
         n, lay = locs.numel(), self.layout
@@ -423,21 +485,32 @@ class DSATokenToKVPool:
             torch.empty((n, 1, lay.kv_cache_dim), dtype=self.store_dtype) for _ in self.kv_buffer
         )
         keys = tuple(
-            torch.empty((n, lay.index_head_dim), dtype=torch.uint8) for _ in self.kv_buffer
+            torch.empty((n, lay.index_head_dim), dtype=torch.uint8) for _ in lay.index_layer_ids
         )
         scales = tuple(
-            torch.empty((n, lay.index_scale_bytes), dtype=torch.uint8) for _ in self.kv_buffer
+            torch.empty((n, lay.index_scale_bytes), dtype=torch.uint8) for _ in lay.index_layer_ids
         )
         for start in range(0, n, chunk_size):
             chunk = locs[start : start + chunk_size]
             by_page, end = self._whole_pages(chunk), start + chunk.numel()
             rows = self._row_index(chunk, by_page)
-            for i, views in enumerate(self._row_views[by_page]):
-                outs = (kv[i][start:end], keys[i][start:end], scales[i][start:end])
+            for views, parts in zip(self._row_views[by_page], self._copy_parts(kv, keys, scales),
+                                    strict=True):
+                outs = [t[start:end] for t in parts]
                 for view, index, out, part in zip(views, rows, outs, self._parts[by_page],
-                                                  strict=True):
+                                                  strict=False):
                     _copy_rows(_rows(out, *part), None, view, index)
         return CpuCopy(layout=lay, num_tokens=n, kv=kv, index_keys=keys, index_scales=scales)
+
+    def _copy_parts(self, kv, keys, scales) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer position, the host tensors of a copy that match its row views: (kv,) for a
+        layer without an indexer, (kv, keys, scales) otherwise."""
+        index_position = {lid: j for j, lid in enumerate(self.layout.index_layer_ids)}
+        out = []
+        for i, lid in enumerate(self.layout.layer_ids):
+            j = index_position.get(lid)
+            out.append((kv[i],) if j is None else (kv[i], keys[j], scales[j]))
+        return out
 
     def _check_copy(self, copy: Any) -> None:
         if not isinstance(copy, CpuCopy):
@@ -446,16 +519,15 @@ class DSATokenToKVPool:
         if diff is not None:
             raise ValueError(f"copy was taken from a different layout: {diff}")
         lay, n = self.layout, copy.num_tokens
+        index_layers = len(lay.index_layer_ids)
         expected = (
-            ("kv", copy.kv, (n, 1, lay.kv_cache_dim), self.store_dtype),
-            ("index_keys", copy.index_keys, (n, lay.index_head_dim), torch.uint8),
-            ("index_scales", copy.index_scales, (n, lay.index_scale_bytes), torch.uint8),
+            ("kv", copy.kv, (n, 1, lay.kv_cache_dim), self.store_dtype, lay.num_layers),
+            ("index_keys", copy.index_keys, (n, lay.index_head_dim), torch.uint8, index_layers),
+            ("index_scales", copy.index_scales, (n, lay.index_scale_bytes), torch.uint8, index_layers),
         )
-        for field, tensors, shape, dtype in expected:
-            if len(tensors) != lay.num_layers:
-                raise ValueError(
-                    f"copy.{field} has {len(tensors)} layers, expected {lay.num_layers}"
-                )
+        for field, tensors, shape, dtype, layers in expected:
+            if len(tensors) != layers:
+                raise ValueError(f"copy.{field} has {len(tensors)} layers, expected {layers}")
             for i, t in enumerate(tensors):
                 if tuple(t.shape) != shape or t.dtype != dtype:
                     raise ValueError(
@@ -479,9 +551,10 @@ class DSATokenToKVPool:
             chunk = locs[start : start + chunk_size]
             by_page, end = self._whole_pages(chunk), start + chunk.numel()
             rows = self._row_index(chunk, by_page)
-            for i, views in enumerate(self._row_views[by_page]):
-                saved = (copy.kv[i], copy.index_keys[i], copy.index_scales[i])
+            for views, saved in zip(self._row_views[by_page],
+                                    self._copy_parts(copy.kv, copy.index_keys, copy.index_scales),
+                                    strict=True):
                 for view, index, tensor, part in zip(views, rows, saved, self._parts[by_page],
-                                                     strict=True):
+                                                     strict=False):
                     values = _rows(tensor[start:end].to(dev).contiguous(), *part)
                     _copy_rows(view, index, values, None)

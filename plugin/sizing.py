@@ -1,7 +1,8 @@
-"""Pool sizing: bytes per token, capacity for a memory budget, the real allocation, and the
-(report-only) index-sharing saving. Pure functions; the pool allocates with these same formulas.
+"""Pool sizing: bytes per token, capacity for a memory budget, the real allocation, and what
+index sharing saves. Pure functions; the pool allocates with these same formulas.
 
-Per layer the pool allocates ``size + page_size`` KV rows (page 0 is padding) and
+Per layer the pool allocates ``size + page_size`` KV rows (page 0 is padding); per layer that
+holds an indexer (all of them in the uniform layout, the producers in the compact one)
 ``(index_buf_size + page_size + 1) // page_size`` indexer page rows (SGLang's formula).
 """
 
@@ -44,7 +45,7 @@ def index_pages(layout: DSALayout, index_buf_size: int) -> int:
 
 
 def bytes_per_token(layout: DSALayout) -> int:
-    """Uniform cell: every layer holds a KV row and an indexer row per token."""
+    """Every layer's KV row plus an indexer row per layer that holds one."""
     return layout.bytes_per_token
 
 
@@ -62,20 +63,18 @@ def pool_capacity_tokens(layout: DSALayout, budget_bytes: int) -> int:
 def allocation_bytes(layout: DSALayout, size: int, index_buf_size: int | None = None) -> int:
     """Bytes the pool really allocates (KV + indexer, padding included, guard bytes excluded)."""
     index_buf_size = resolve_index_buf_size(layout, size, index_buf_size)
-    per_layer = (
-        kv_rows(layout, size) * layout.kv_row_bytes
-        + index_pages(layout, index_buf_size) * layout.index_page_bytes
+    return (
+        layout.num_layers * kv_rows(layout, size) * layout.kv_row_bytes
+        + len(layout.index_layer_ids) * index_pages(layout, index_buf_size) * layout.index_page_bytes
     )
-    return layout.num_layers * per_layer
 
 
 def index_sharing_report(config: dict[str, Any], layout: DSALayout) -> dict[str, Any]:
-    """What "only full layers keep an indexer" would save for ``layout``'s layers. Report only:
-    the pool stays uniform (eliding shared layers' buffers is what caused the seed's IMA)."""
+    """Uniform against compact for ``layout``'s layers, and which one ``layout`` allocates."""
     skipped = set(skip_topk_layer_ids(config))
     full = [lid for lid in layout.layer_ids if lid not in skipped]
     shared = [lid for lid in layout.layer_ids if lid in skipped]
-    uniform = layout.bytes_per_token
+    uniform = layout.num_layers * (layout.kv_row_bytes + layout.index_row_bytes)
     full_only = layout.num_layers * layout.kv_row_bytes + len(full) * layout.index_row_bytes
     return {
         "uniform_bytes_per_token": uniform,
@@ -86,5 +85,6 @@ def index_sharing_report(config: dict[str, Any], layout: DSALayout) -> dict[str,
         "shared_layers": len(shared),
         "full_layer_ids": full,
         "shared_layer_ids": shared,
-        "allocated_bytes_per_token": uniform,
+        "indexer_layout": layout.indexer_layout,
+        "allocated_bytes_per_token": layout.bytes_per_token,
     }

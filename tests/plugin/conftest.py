@@ -14,11 +14,8 @@ class PoolBytes:
 
     @staticmethod
     def views(pool: DSATokenToKVPool) -> dict[tuple[int, str], torch.Tensor]:
-        return {
-            (lid, kind): pool.page_view(lid, kind)
-            for lid in pool.layout.layer_ids
-            for kind in ("kv", "index")
-        }
+        """Every buffer the pool holds (a compact pool: no indexer of a shared layer)."""
+        return {(lid, kind): pool.page_view(lid, kind) for lid, kind in pool.buffer_keys()}
 
     def fill(self, pool: DSATokenToKVPool, seed: int) -> None:
         """Random bytes in every page of every buffer (padding page included)."""

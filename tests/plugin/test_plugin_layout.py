@@ -14,7 +14,7 @@ from dsa_bridge.plugin import (
     LAYOUT_VERSION,
     PRESETS,
     DSALayout,
-    indexer_layer_ids,
+    index_layer_ids_for,
     load_model_config,
     skip_topk_layer_ids,
 )
@@ -124,6 +124,8 @@ CHANGES = [
     ("kv_dtype", "fp8_raw"),
     ("index_head_dim", 256),
     ("index_quant_block", 64),
+    ("index_layers", (0, 1, 2, 6)),
+    ("index_layers", ()),
 ]
 
 
@@ -144,8 +146,8 @@ def test_hash_changes_with_every_field(field, value):
 def test_hash_golden_value():
     # Pinned on purpose: if this changes, the hashed fields' meaning changed -> bump LAYOUT_VERSION
     # (peers on the old version must then fail the handshake) and update the literal.
-    assert LAYOUT_VERSION == 1
-    assert BASE.layout_hash() == "497b77c5a71f3ec72260cff335cb355778397a0dab103a679b14947fad426e52"
+    assert LAYOUT_VERSION == 2
+    assert BASE.layout_hash() == "472dae3ec5d8881ded3815fbcd90829f4f73fe81bce07ef840a9f61e47a05afa"
 
 
 def test_hash_stable_across_processes():
@@ -172,7 +174,7 @@ def test_to_dict_from_dict_round_trip(field, value):
 
 
 def test_from_dict_defaults_quant_block_and_accepts_no_derived_fields():
-    base = ("layer_ids", "page_size", "kv_lora_rank", "qk_rope_head_dim", "kv_dtype")
+    base = ("layer_ids", "index_layer_ids", "page_size", "kv_lora_rank", "qk_rope_head_dim", "kv_dtype")
     d = {k: v for k, v in BASE.to_dict().items() if k in (*base, "index_head_dim")}
     assert DSALayout.from_dict(d) == BASE
 
@@ -182,6 +184,9 @@ def test_from_dict_defaults_quant_block_and_accepts_no_derived_fields():
     [
         (lambda d: d.pop("page_size"), "page_size"),
         (lambda d: d.pop("layer_ids"), "layer_ids"),
+        (lambda d: d.pop("index_layer_ids"), "index_layer_ids"),
+        (lambda d: d.update(index_layer_ids=[0, 99]), "index_layer_ids"),
+        (lambda d: d.update(index_layer_ids=[3, 2]), "index_layer_ids"),
         (lambda d: d.update(layer_ids="0-60"), "layer_ids"),
         (lambda d: d.update(kv_dtype="int4"), "kv_dtype"),
         (lambda d: d.update(kv_page_bytes=40_000), "kv_page_bytes"),
@@ -221,7 +226,7 @@ def test_first_difference():
 @pytest.mark.parametrize(("field", "value"), CHANGES)
 def test_first_difference_names_each_field(field, value):
     msg = BASE.first_difference(dataclasses.replace(BASE, **{field: value}))
-    assert msg is not None and msg.startswith(field)
+    assert msg is not None and msg.startswith("index_layer_ids" if field == "index_layers" else field)
 
 
 # ---- model configs ------------------------------------------------------------------------------
@@ -294,7 +299,7 @@ def test_load_model_config_paths(tmp_path):
         load_model_config(str(tmp_path / "list.json"))
 
 
-# ---- index sharing (report only) and the one "who owns an indexer" function -------------------
+# ---- index sharing and the one "who owns an indexer" function -------------------
 GLM_FULL = (0, 1, 2, *range(6, 75, 4))
 
 
@@ -342,6 +347,8 @@ def test_skip_rule_bad_config(extra, field):
         skip_topk_layer_ids({"num_hidden_layers": 8, **extra})
 
 
-def test_indexer_layer_ids_is_uniform():
+def test_uniform_is_the_default_and_every_layer_holds_an_indexer():
     layout = DSALayout.preset("glm-5.2", kv_dtype="fp8_raw", include_draft_layers=True)
-    assert indexer_layer_ids(layout) == tuple(range(79))
+    assert layout.index_layer_ids == layout.layer_ids == tuple(range(79))
+    assert layout.indexer_layout == "uniform"
+    assert index_layer_ids_for(load_model_config("glm-5.2"), range(78), "uniform") == tuple(range(78))

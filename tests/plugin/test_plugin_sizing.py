@@ -75,7 +75,7 @@ def test_allocation_bad_sizes(size, index_buf_size, exc, name):
         allocation_bytes(DSV32, size, index_buf_size)
 
 
-def test_glm52_index_sharing_report_is_report_only():
+def test_glm52_index_sharing_report_uniform():
     config = load_model_config("glm-5.2")
     layout = DSALayout.from_hf_config(config, kv_dtype="fp8_raw")
     report = index_sharing_report(config, layout)
@@ -85,10 +85,28 @@ def test_glm52_index_sharing_report_is_report_only():
     assert round(report["memory_saving_pct"], 1) == 13.6
     assert report["full_layers"] == 21 and report["shared_layers"] == 57
     assert report["full_layer_ids"] == [0, 1, 2, *range(6, 75, 4)]
-    # the sizing the pool actually uses is still the uniform one
+    # the default layout allocates the uniform cell
+    assert report["indexer_layout"] == "uniform"
     assert report["allocated_bytes_per_token"] == bytes_per_token(layout) == 55_224
     budget = 10 * GIB
     assert pool_capacity_tokens(layout, budget) == (budget // 55_224) // 64 * 64
+
+
+def test_glm52_compact_sizing_recovers_the_15_8_percent():
+    config = load_model_config("glm-5.2")
+    uniform = DSALayout.from_hf_config(config, kv_dtype="fp8_raw")
+    compact = DSALayout.from_hf_config(config, kv_dtype="fp8_raw", indexer_layout="compact")
+    assert compact.index_layer_ids == (0, 1, 2, *range(6, 75, 4))
+    assert bytes_per_token(compact) == 47_700
+    report = index_sharing_report(config, compact)
+    assert report["indexer_layout"] == "compact" and report["allocated_bytes_per_token"] == 47_700
+    budget = 60 * GIB
+    gain = pool_capacity_tokens(compact, budget) / pool_capacity_tokens(uniform, budget)
+    assert pool_capacity_tokens(compact, budget) == (budget // 47_700) // 64 * 64 == 1_350_592
+    assert round((gain - 1) * 100, 1) == 15.8
+    # the real allocation: 78 KV buffers, 21 indexer buffers, each with its padding
+    size = 64 * 100
+    assert allocation_bytes(compact, size) == 78 * (size + 64) * 576 + 21 * ((size + 65) // 64) * 8448
 
 
 def test_report_for_a_slice_with_draft_layer():

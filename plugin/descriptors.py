@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 CacheKind = Literal["kv", "index"]
 CACHE_KINDS: tuple[str, ...] = ("kv", "index")
+ADDRESS_LIMIT = 2**63  # no real buffer ends there; engines take addresses as int64
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ def _check_one(d: BufferDescriptor) -> None:
         raise ValueError(f"{d.name()}: nbytes is {d.nbytes} (zero-size buffer)")
     if d.ptr <= 0:
         raise ValueError(f"{d.name()}: {'null' if d.ptr == 0 else 'negative'} pointer {d.ptr}")
+    if d.end >= ADDRESS_LIMIT:
+        raise ValueError(f"{d.name()}: [{d.ptr:#x}, {d.end:#x}) reaches past 2**63")
     if d.item_len <= 0:
         raise ValueError(f"{d.name()}: item_len is {d.item_len}")
     if d.nbytes % d.item_len:

@@ -1,11 +1,13 @@
 """The decode side: handshakes with prefill nodes and receives requests into its pool.
 
 ``DecodeNode`` registers its pool, connects to one or more prefill control endpoints and
-handshakes with each (layout, hash and buffers; a mismatch raises HandshakeError before anything
-else happens). A ``KVReceiver`` per request sends the pages decode allocated and follows the
-request to Success, or to Failed with a reason: a prefill failure, an abort, a missed deadline,
-or a prefill that stopped answering. Pages of a failed request are held back until no write
-into them can still land.
+handshakes with each (layout, hash, buffers and the indexer layers it reads; a mismatch raises
+HandshakeError before anything else happens). A ``KVReceiver`` per request sends the pages decode
+allocated to the prefill node that holds all its layers, or to the pipeline stages that together
+hold each layer once, and follows the request to Success — every stage's part arrived, exactly
+once — or to Failed with a reason: a prefill failure, an abort, a missed deadline, or a prefill
+that stopped answering. Pages of a failed request are held back until no write into them can
+still land.
 """
 
 from __future__ import annotations
@@ -14,26 +16,35 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 import zmq
 
+from dsa_bridge.plugin.layout import DSALayout
 from dsa_bridge.transfer import auth, protocol
 from dsa_bridge.transfer.backends.base import MemoryRegion, TransferBackend
 from dsa_bridge.transfer.control import ControlLoop, parse_endpoint, zmq_address
 from dsa_bridge.transfer.counters import Counters
 from dsa_bridge.transfer.handshake import (
+    BufferKey,
     HandshakeError,
     buffer_infos,
+    check_index_reads,
     check_peer,
+    check_stages,
     pool_buffers,
+    transfer_set,
 )
 from dsa_bridge.transfer.plan import PlanError, as_page_ids, check_pages
 from dsa_bridge.transfer.request import TERMINAL, KVPoll, RequestState
 
 log = logging.getLogger(__name__)
+
+
+DEAD_PEER_GRACE_S = 1.0  # after a prefill went silent: bytes already queued in our own engine
 
 
 @dataclass
@@ -42,16 +53,21 @@ class PrefillPeer:
     node: str
     socket: zmq.Socket
     last_seen: float
+    layout: DSALayout
+    keys: list[BufferKey]  # the (layer, cache) buffers this prefill writes into ours
+    page_bytes: int  # bytes it writes per request page: the item lengths of ``keys``
     alive: bool = True
 
 
 class KVReceiver:
-    """One request on the decode side (SGLang's BaseKVReceiver semantics)."""
+    """One request on the decode side (SGLang's BaseKVReceiver semantics), fed by one prefill
+    node or by several that each hold a part of the layers (pipeline stages). Success once every
+    one of them has written all of its part, exactly once."""
 
-    def __init__(self, node: DecodeNode, room: int, peer: PrefillPeer, timeout_s: float):
+    def __init__(self, node: DecodeNode, room: int, peers: list[PrefillPeer], timeout_s: float):
         self.node = node
         self.room = room
-        self.peer = peer
+        self.peers = peers
         self.state = RequestState(room, timeout_s)
         self.page_ids: np.ndarray | None = None
         self.chunks = 0
@@ -59,9 +75,19 @@ class KVReceiver:
         self.descriptors = 0
         self.write_seconds = 0.0
         self.started_at: float | None = None
+        self.received = {p.endpoint: 0 for p in peers}  # bytes each prefill reported written
+        self.finished: set[str] = set()  # prefills whose last chunk arrived
+        self.outstanding = {p.endpoint for p in peers}  # prefills that may still write
+        self.in_flight = False  # a prefill reported a failed write whose bytes may still land
+        self.dead_peer = False  # a prefill went silent while it may still have been writing
+
+    @property
+    def components(self) -> list[BufferKey]:
+        """Every (layer, cache) buffer this request fills, in layer order."""
+        return sorted(key for p in self.peers for key in p.keys)
 
     def init(self, page_ids, num_tokens: int = 0) -> None:
-        """Send the pages decode allocated for this request to prefill."""
+        """Send the pages decode allocated for this request to its prefill node(s)."""
         self.node._init_receiver(self, page_ids, num_tokens)
 
     def poll(self) -> KVPoll:
@@ -85,9 +111,10 @@ class DecodeNode:
                  name: str | None = None, handshake_timeout_s: float = 10.0,
                  request_timeout_s: float = 60.0, peer_timeout_s: float = 5.0,
                  heartbeat_s: float = 0.5, in_flight_grace_s: float = 35.0,
-                 secret: bytes = b""):
+                 secret: bytes = b"", index_reads: Iterable[int] | None = None):
         self.pool = pool
         self.layout = pool.layout
+        self.index_reads = check_index_reads(self.layout, index_reads)
         self.backend = backend
         self.name = name or f"decode-{os.getpid()}"
         self.request_timeout_s = request_timeout_s
@@ -108,6 +135,11 @@ class DecodeNode:
         endpoints = [prefill] if isinstance(prefill, str) else list(prefill)
         try:
             self.peers = [self._handshake(e, handshake_timeout_s) for e in endpoints]
+            held = {lid for peer in self.peers for lid in peer.layout.layer_ids}
+            missing = [lid for lid in self.layout.layer_ids if lid not in held]
+            if missing:
+                raise HandshakeError(f"layer sets: layer {missing[0]} is held by none of the prefill "
+                                     f"nodes ({', '.join(endpoints)})")
         except BaseException:
             self._context.destroy(0)
             backend.close()
@@ -118,12 +150,15 @@ class DecodeNode:
 
     # ---- application API -------------------------------------------------------------------
 
-    def receiver(self, room: int, prefill: str | None = None) -> KVReceiver:
-        peer = self.peers[0] if prefill is None else self._peer(prefill)
+    def receiver(self, room: int, prefill: str | list[str] | None = None) -> KVReceiver:
+        """A request fed by ``prefill``: one endpoint, or the endpoints of pipeline stages that
+        together hold each of this pool's layers exactly once (ValueError naming the layer
+        otherwise). Default: the first prefill node that holds every layer, else all of them."""
+        peers = self._request_peers(prefill)
         with self._lock:
             if room in self._receivers:
                 raise ValueError(f"room {room} already has a receiver")
-            receiver = KVReceiver(self, room, peer, self.request_timeout_s)
+            receiver = KVReceiver(self, room, peers, self.request_timeout_s)
             self._receivers[room] = receiver
         return receiver
 
@@ -158,7 +193,7 @@ class DecodeNode:
         hello = protocol.Hello(
             protocol.PROTOCOL_VERSION, self.name, self.backend.name, self.layout.to_dict(),
             self.layout.layout_hash(), self.backend.metadata(), buffer_infos(self.buffers),
-            nonce=os.urandom(16), sent_at=time.time())
+            list(self.index_reads), nonce=os.urandom(16), sent_at=time.time())
         if self.secret:
             hello = msgspec.structs.replace(
                 hello, auth=auth.sign(self.secret, protocol.signed_bytes(hello)))
@@ -182,20 +217,36 @@ class DecodeNode:
             if self.secret and not auth.verify(self.secret, ack.auth, b"ack", hello.nonce,
                                                protocol.signed_bytes(ack)):
                 raise HandshakeError(f"prefill {endpoint} did not prove the shared secret")
-            check_peer(self.layout, self.backend.name, version=ack.version,
-                       peer_backend=self.backend.name, peer_layout=ack.layout,
-                       peer_hash=ack.layout_hash)
+            layout = check_peer(self.layout, self.backend.name, version=ack.version,
+                                peer_backend=self.backend.name, peer_layout=ack.layout,
+                                peer_hash=ack.layout_hash)
+            keys = transfer_set(layout, self.layout, self.index_reads)
         except HandshakeError:
             sock.close(0)
             raise
         self.counters.add(handshakes_ok=1)
-        return PrefillPeer(endpoint, ack.node, sock, time.monotonic())
+        items = {(b.layer_id, b.kind): b.item_len for b in self.buffers}
+        return PrefillPeer(endpoint, ack.node, sock, time.monotonic(), layout, keys,
+                           sum(items[key] for key in keys))
 
     def _peer(self, endpoint: str) -> PrefillPeer:
         for peer in self.peers:
             if peer.endpoint == endpoint:
                 return peer
         raise ValueError(f"not connected to prefill {endpoint}")
+
+    def _request_peers(self, prefill: str | list[str] | None) -> list[PrefillPeer]:
+        if prefill is None:
+            whole = [p for p in self.peers if set(self.layout.layer_ids) <= set(p.layout.layer_ids)]
+            peers = whole[:1] or list(self.peers)
+        elif isinstance(prefill, str):
+            peers = [self._peer(prefill)]
+        else:
+            peers = [self._peer(endpoint) for endpoint in prefill]
+            if len({p.endpoint for p in peers}) != len(peers):
+                raise ValueError(f"a prefill node is named twice: {list(prefill)}")
+        check_stages(self.layout, [(p.endpoint, p.layout) for p in peers])
+        return peers
 
     # ---- receiver operations (application thread) ------------------------------------------
 
@@ -210,21 +261,22 @@ class DecodeNode:
         receiver.page_ids = pages
         receiver.started_at = time.monotonic()
         with self._lock:
-            if not receiver.peer.alive:
-                receiver.state.fail(f"prefill {receiver.peer.endpoint} unreachable")
+            dead = [p.endpoint for p in receiver.peers if not p.alive]
+            if dead:
+                receiver.state.fail(f"prefill {dead[0]} unreachable")
                 return
             receiver.state.advance(KVPoll.WaitingForInput)
-        self._loop.send(receiver.peer.socket, protocol.RequestPages(
-            receiver.room, pages.tolist(), int(num_tokens)))
+        request = protocol.RequestPages(receiver.room, pages.tolist(), int(num_tokens))
+        for peer in receiver.peers:
+            self._loop.send(peer.socket, request)
 
     def _abort(self, receiver: KVReceiver, reason: str) -> None:
         with self._lock:
-            if self._fail(receiver, reason, release_after_s=None):
-                if receiver.page_ids is None:
-                    receiver.state.allow_release()
-                else:  # held until prefill confirms, or the grace period ends
-                    receiver.state.allow_release(self.in_flight_grace_s)
-                    self._loop.send(receiver.peer.socket, protocol.Abort(receiver.room, reason))
+            if receiver.page_ids is None:  # nothing was asked of any prefill node
+                if self._fail(receiver, reason, release_after_s=0.0):
+                    receiver.outstanding.clear()
+                return
+            self._fail_sent(receiver, reason)
 
     def _fail(self, receiver: KVReceiver, reason: str, *,
               release_after_s: float | None = 0.0) -> bool:
@@ -233,6 +285,22 @@ class DecodeNode:
             log.warning("%s: room %d failed: %s", self.name, receiver.room, reason)
             return True
         return False
+
+    def _fail_sent(self, receiver: KVReceiver, reason: str) -> None:
+        """Fail a request whose pages the prefill nodes know: ask every one that may still write
+        to stop, and hold the pages until each has confirmed, or the grace period ends."""
+        if self._fail(receiver, reason, release_after_s=None):
+            receiver.state.allow_release(self.in_flight_grace_s)
+            for peer in receiver.peers:
+                if peer.endpoint in receiver.outstanding and peer.alive:
+                    self._loop.send(peer.socket, protocol.Abort(receiver.room, reason))
+        self._settle(receiver)
+
+    def _settle(self, receiver: KVReceiver) -> None:
+        """Release a failed request's pages once no prefill can still write into them."""
+        if receiver.outstanding or receiver.in_flight:
+            return
+        receiver.state.allow_release(DEAD_PEER_GRACE_S if receiver.dead_peer else 0.0)
 
     # ---- control plane (loop thread) -------------------------------------------------------
 
@@ -249,23 +317,42 @@ class DecodeNode:
 
     def _on_chunk(self, peer: PrefillPeer, done: protocol.ChunkDone) -> None:
         receiver = self._receivers.get(done.room)
-        if receiver is None or receiver.peer is not peer:
+        if receiver is None or peer not in receiver.peers:
             raise protocol.ProtocolError(f"chunk report for unknown room {done.room}")
-        if not done.ok:
-            grace = self.in_flight_grace_s if done.in_flight else 0.0
-            self._fail(receiver, f"prefill: {done.reason}", release_after_s=grace)
-            receiver.state.allow_release(grace)  # an abort we sent is now confirmed
+        if not done.ok:  # the prefill's final word: none of its writes is still running...
+            receiver.outstanding.discard(peer.endpoint)
+            receiver.in_flight |= done.in_flight  # ...unless it says one may still land
+            self._fail_sent(receiver, f"prefill {peer.endpoint}: {done.reason}")
             return
+        if done.last:
+            receiver.outstanding.discard(peer.endpoint)
         if receiver.state.status in TERMINAL:
+            self._settle(receiver)
             return
         receiver.chunks += 1
         receiver.nbytes += done.nbytes
         receiver.descriptors += done.descriptors
         receiver.write_seconds += done.write_seconds
+        receiver.received[peer.endpoint] += done.nbytes
         self.counters.add(chunks=1, bytes=done.nbytes, descriptors=done.descriptors,
                           write_seconds=done.write_seconds)
         receiver.state.advance(KVPoll.Transferring)
-        if done.last and receiver.state.advance(KVPoll.Success):
+        if done.last:
+            self._on_part_done(receiver, peer)
+
+    def _on_part_done(self, receiver: KVReceiver, peer: PrefillPeer) -> None:
+        """A prefill node's last chunk: its part must be complete, and reported only once."""
+        if peer.endpoint in receiver.finished:
+            self._fail_sent(receiver, f"prefill {peer.endpoint} reported its last chunk twice")
+            return
+        receiver.finished.add(peer.endpoint)
+        expected = receiver.page_ids.size * peer.page_bytes
+        if receiver.received[peer.endpoint] != expected:
+            self._fail_sent(receiver, f"prefill {peer.endpoint} wrote {receiver.received[peer.endpoint]} "
+                                      f"bytes, expected {expected} ({len(peer.keys)} buffers x "
+                                      f"{receiver.page_ids.size} pages)")
+            return
+        if len(receiver.finished) == len(receiver.peers) and receiver.state.advance(KVPoll.Success):
             self.counters.add(requests_ok=1)
 
     def _on_tick(self, now: float) -> None:
@@ -277,15 +364,22 @@ class DecodeNode:
                     log.warning("%s: prefill %s silent for %.1fs", self.name, peer.endpoint,
                                 now - peer.last_seen)
             for receiver in self._receivers.values():
-                if receiver.state.status in TERMINAL:
-                    continue
-                if not receiver.peer.alive:
+                dead = [p.endpoint for p in receiver.peers
+                        if not p.alive and p.endpoint in receiver.outstanding]
+                if dead:
                     # a dead engine writes nothing more; a short grace covers bytes already
                     # queued in our own engine
-                    self._fail(receiver, f"prefill {receiver.peer.endpoint} unreachable "
-                                         f"(no heartbeat for {self.peer_timeout_s:.1f}s)",
-                               release_after_s=1.0)
-                elif now > receiver.state.deadline:
+                    receiver.outstanding.difference_update(dead)
+                    receiver.dead_peer = True
+                    if receiver.state.status in TERMINAL:
+                        self._settle(receiver)
+                    else:
+                        self._fail_sent(receiver, f"prefill {dead[0]} unreachable (no heartbeat "
+                                                  f"for {self.peer_timeout_s:.1f}s)")
+                    continue
+                if receiver.state.status in TERMINAL:
+                    continue
+                if now > receiver.state.deadline:
                     self._abort(receiver, f"timed out after {self.request_timeout_s:.0f}s")
             if now >= self._next_heartbeat:
                 self._next_heartbeat = now + self.heartbeat_s

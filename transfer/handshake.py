@@ -1,15 +1,29 @@
-"""Handshake checks, pure: the peer's protocol version, engine, layout and buffers against ours.
+"""Handshake checks, pure: the peer's protocol version, engine, layout and buffers against ours,
+and which (layer, cache) buffers a prefill node writes into a decode node.
 
 Both sides run the same checks on what the other sent; any difference is a HandshakeError whose
-message names the first differing field, before a single byte moves (invariants 1-3).
+message names the first difference, before a single byte moves (invariants 1-3). The byte
+geometry (page size, dtypes, dims) must be equal; the layer sets may differ:
+
+- a prefill node may hold a layer range of decode's layers (a pipeline stage), never a layer
+  decode lacks;
+- for the layers prefill holds, it writes every KV buffer, and the indexer of every layer whose
+  indexer decode holds **and reads**; it must hold each of those itself. So uniform prefill ->
+  compact decode sends only decode's indexer layers; compact prefill -> uniform decode is refused
+  unless decode declares it reads only the producer layers' indexers;
+- the prefill nodes of one request together hold each of decode's layers exactly once.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
 
 from dsa_bridge.plugin.descriptors import BufferDescriptor, validate_descriptors
 from dsa_bridge.plugin.layout import DSALayout
 from dsa_bridge.transfer.plan import Buffer, BufferPair, PlanError, pair_buffers
 from dsa_bridge.transfer.protocol import PROTOCOL_VERSION, BufferInfo
+
+BufferKey = tuple[int, str]  # (global layer id, cache kind)
 
 
 class HandshakeError(RuntimeError):
@@ -17,7 +31,7 @@ class HandshakeError(RuntimeError):
 
 
 def pool_buffers(pool) -> list[Buffer]:
-    """The pool's validated descriptors (both caches, every layer) as planner buffers."""
+    """The pool's validated descriptors (every buffer it holds) as planner buffers."""
     return [Buffer(d.layer_id, d.kind, d.ptr, d.nbytes, d.item_len) for d in pool.buffer_descriptors()]
 
 
@@ -27,7 +41,8 @@ def buffer_infos(buffers: list[Buffer]) -> list[BufferInfo]:
 
 def check_peer(local: DSALayout, backend: str, *, version: int, peer_backend: str,
                peer_layout: dict, peer_hash: str) -> DSALayout:
-    """The peer's layout if it matches ours exactly; HandshakeError naming the difference."""
+    """The peer's layout if its byte geometry matches ours; HandshakeError naming the difference.
+    Which layers each side holds is ``transfer_set``'s business."""
     if version != PROTOCOL_VERSION:
         raise HandshakeError(f"protocol version: peer {version} != local {PROTOCOL_VERSION}")
     if peer_backend != backend:
@@ -38,21 +53,69 @@ def check_peer(local: DSALayout, backend: str, *, version: int, peer_backend: st
         raise HandshakeError(f"peer layout is invalid: {exc}") from exc
     if layout.layout_hash() != peer_hash:
         raise HandshakeError("layout_hash: the peer's hash does not match the layout it sent")
-    difference = local.first_difference(layout)
+    difference = local.geometry_difference(layout)
     if difference is not None:
         raise HandshakeError(f"layout mismatch: {difference} (local vs peer)")
     return layout
 
 
-def pair_with_peer(layout: DSALayout, local: list[Buffer], peer: list[BufferInfo]) -> list[BufferPair]:
-    """Validate the peer's announced buffers against the agreed layout and pair them with ours
-    by global layer id; the pairs are the only addresses writes may ever target."""
+def check_index_reads(decode: DSALayout, reads: Iterable[int] | None) -> tuple[int, ...]:
+    """The indexer layers decode's attention reads: all it holds by default; never one it lacks."""
+    if reads is None:
+        return decode.index_layer_ids
+    ids = tuple(sorted(set(reads)))
+    stray = [lid for lid in ids if not decode.holds_indexer(lid)]
+    if stray:
+        raise ValueError(f"index_reads: layer {stray[0]}: decode cannot read an indexer it lacks "
+                         f"({decode.absent_indexer(stray[0])})")
+    return ids
+
+
+def transfer_set(prefill: DSALayout, decode: DSALayout, index_reads: Sequence[int]) -> list[BufferKey]:
+    """The (layer, kind) buffers prefill writes into decode for every request, in layer order;
+    HandshakeError naming the first layer that makes the pair impossible (see module docstring)."""
+    stray = [lid for lid in prefill.layer_ids if lid not in decode.layer_ids]
+    if stray:
+        raise HandshakeError(f"layer sets: prefill holds layer {stray[0]}, which decode does not")
+    reads = set(index_reads)
+    keys: list[BufferKey] = []
+    for lid in prefill.layer_ids:
+        keys.append((lid, "kv"))
+        if decode.holds_indexer(lid) and lid in reads:
+            if not prefill.holds_indexer(lid):
+                raise HandshakeError(
+                    f"layer sets: layer {lid}: decode holds and reads its indexer, but "
+                    f"{prefill.absent_indexer(lid)} on prefill; a decode that reads only the "
+                    "producer layers' indexers must say so")
+            keys.append((lid, "index"))
+    return keys
+
+
+def check_stages(decode: DSALayout, stages: Sequence[tuple[str, DSALayout]]) -> None:
+    """The prefill nodes ``(name, layout)`` of one request hold each of decode's layers exactly
+    once; ValueError naming the first layer held twice or by none."""
+    owner: dict[int, str] = {}
+    for name, layout in stages:
+        for lid in layout.layer_ids:
+            if lid in owner:
+                raise ValueError(f"layer {lid} is held by both prefill {owner[lid]} and prefill {name}")
+            owner[lid] = name
+    missing = [lid for lid in decode.layer_ids if lid not in owner]
+    if missing:
+        names = ", ".join(name for name, _ in stages)
+        raise ValueError(f"layer {missing[0]}: none of the request's prefill nodes ({names}) holds it")
+
+
+def pair_with_peer(peer_layout: DSALayout, local: list[Buffer], peer: list[BufferInfo],
+                   keys: Sequence[BufferKey]) -> list[BufferPair]:
+    """Validate the peer's announced buffers against its layout and pair the ``keys`` buffers
+    with ours by global layer id; the pairs are the only addresses writes may ever target."""
     announced = [Buffer(b.layer_id, b.kind, b.ptr, b.nbytes, b.item_len) for b in peer]
     try:
         validate_descriptors(
             [BufferDescriptor(b.layer_id, b.kind, b.ptr, b.nbytes, b.item_len, "peer") for b in announced],
-            layout,
+            peer_layout,
         )
-        return pair_buffers(local, announced)
+        return pair_buffers(local, announced, keys)
     except (ValueError, PlanError) as exc:
         raise HandshakeError(f"peer buffers: {exc}") from exc

@@ -1,14 +1,17 @@
 """Pure transfer planning: page ids -> coalesced, bounds-checked (src, dst, length) writes.
 
-No I/O and no engine here. The node pairs its buffers with the peer's by global layer id
-(``pair_buffers``), then for each chunk of a request turns the paired page ids into one write
-per run of consecutive pages, per layer, per cache (``plan_writes``). Every page id is checked
-against the registered regions of both sides before a single address is produced.
+No I/O and no engine here. The node pairs the buffers it writes with the peer's by global layer
+id and cache kind (``pair_buffers``; which ones is the handshake's ``transfer_set``), then for
+each chunk of a request turns the paired page ids into one write per run of consecutive pages,
+per paired buffer (``plan_writes``). A request's indexer page ids are its KV page ids (page p of
+a KV buffer is row p of the indexer buffer): one list of page ids addresses both caches. Every
+page id is checked against the registered regions of both sides before a single address is
+produced.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,37 +65,32 @@ class WritePlan:
         return len(self.length)
 
 
-def state_page_ids(kv_page_ids: np.ndarray) -> np.ndarray:
-    """Indexer ("state") page ids of a request: in the uniform pool page p of the KV buffer is
-    row p of the indexer buffer, so they are the KV page ids. The one place both sides ask."""
-    return kv_page_ids
-
-
 def _order(key: tuple[int, str]) -> tuple[int, int]:
     """Sort (layer id, kind) by layer, then KV before indexer."""
     layer_id, kind = key
     return layer_id, CACHE_KINDS.index(kind) if kind in CACHE_KINDS else len(CACHE_KINDS)
 
 
-def pair_buffers(local: Sequence[Buffer], remote: Sequence[Buffer]) -> list[BufferPair]:
-    """Pair buffers by (global layer id, kind), never by position; item lengths must be equal."""
+def pair_buffers(local: Sequence[Buffer], remote: Sequence[Buffer],
+                 keys: Iterable[tuple[int, str]] | None = None) -> list[BufferPair]:
+    """Pair the ``keys`` buffers (global layer id, kind) of both sides, never by position;
+    ``None``: every local buffer, and the peer must hold exactly the same set. Item lengths must
+    be equal; empty or null buffers are refused."""
     by_key = {(b.layer_id, b.kind): b for b in remote}
     if len(by_key) != len(remote):
         raise PlanError("peer announced the same (layer, cache) twice")
-    local_keys = {(b.layer_id, b.kind) for b in local}
-    if len(local_keys) != len(local):
+    local_by_key = {(b.layer_id, b.kind): b for b in local}
+    if len(local_by_key) != len(local):
         raise PlanError("local buffers list the same (layer, cache) twice")
-    missing = sorted(local_keys - by_key.keys(), key=_order)
-    extra = sorted(by_key.keys() - local_keys, key=_order)
-    if missing:
-        layer, kind = missing[0]
-        raise PlanError(f"peer has no {kind} buffer for layer {layer}")
-    if extra:
-        layer, kind = extra[0]
-        raise PlanError(f"peer has a {kind} buffer for layer {layer} that this side lacks")
+    every = keys is None
     pairs = []
-    for src in sorted(local, key=lambda b: _order((b.layer_id, b.kind))):
-        dst = by_key[(src.layer_id, src.kind)]
+    for key in sorted(local_by_key if every else set(keys), key=_order):
+        layer, kind = key
+        if key not in local_by_key:
+            raise PlanError(f"this side has no {kind} buffer for layer {layer}")
+        if key not in by_key:
+            raise PlanError(f"peer has no {kind} buffer for layer {layer}")
+        src, dst = local_by_key[key], by_key[key]
         for side, buf in (("local", src), ("peer", dst)):
             if buf.ptr <= 0 or buf.nbytes <= 0 or buf.item_len <= 0:
                 raise PlanError(
@@ -104,6 +102,10 @@ def pair_buffers(local: Sequence[Buffer], remote: Sequence[Buffer]) -> list[Buff
                 f"{src.kind} item_len of layer {src.layer_id}: local {src.item_len} != peer {dst.item_len}"
             )
         pairs.append(BufferPair(src, dst))
+    extra = sorted(by_key.keys() - local_by_key.keys(), key=_order) if every else []
+    if extra:
+        layer, kind = extra[0]
+        raise PlanError(f"peer has a {kind} buffer for layer {layer} that this side lacks")
     return pairs
 
 

@@ -1,10 +1,11 @@
 """The prefill side: accepts decode nodes, and writes each request's pages into them.
 
 ``PrefillNode`` listens on a control endpoint, validates every decode node's handshake, and
-pairs its buffers with the ones that node announced. A ``KVSender`` per request (room) takes the
-prefill's page ids, in one or more chunks; once decode has sent its page ids for the room, a
-worker thread plans each chunk (every layer, both caches, coalesced and bounds-checked) and writes
-it through the engine, then reports the chunk to decode. Rooms that decode announced but that
+pairs the buffers it writes into that node (``handshake.transfer_set``: the layers it holds, the
+indexers decode holds and reads) with the ones that node announced. A ``KVSender`` per request
+(room) takes the prefill's page ids, in one or more chunks; once decode has sent its page ids for
+the room, a worker thread plans each chunk (every paired buffer, coalesced and bounds-checked)
+and writes it through the engine, then reports the chunk to decode. Rooms that decode announced but that
 have no sender yet are offered to the application on ``incoming``.
 """
 
@@ -24,7 +25,14 @@ from dsa_bridge.transfer import auth, protocol
 from dsa_bridge.transfer.backends.base import BackendError, MemoryRegion, TransferBackend
 from dsa_bridge.transfer.control import ControlLoop, parse_endpoint, zmq_address
 from dsa_bridge.transfer.counters import Counters
-from dsa_bridge.transfer.handshake import HandshakeError, check_peer, pair_with_peer, pool_buffers
+from dsa_bridge.transfer.handshake import (
+    HandshakeError,
+    check_index_reads,
+    check_peer,
+    pair_with_peer,
+    pool_buffers,
+    transfer_set,
+)
 from dsa_bridge.transfer.plan import (
     BufferPair,
     PlanError,
@@ -344,7 +352,12 @@ class PrefillNode:
             layout = check_peer(self.layout, self.backend.name, version=hello.version,
                                 peer_backend=hello.backend, peer_layout=hello.layout,
                                 peer_hash=hello.layout_hash)
-            pairs = pair_with_peer(layout, self.buffers, hello.buffers)
+            try:
+                reads = check_index_reads(layout, hello.index_reads)
+            except ValueError as exc:
+                raise HandshakeError(str(exc)) from None
+            keys = transfer_set(self.layout, layout, reads)
+            pairs = pair_with_peer(layout, self.buffers, hello.buffers, keys)
             engine_peer = self.backend.connect(hello.engine_metadata)
         except (HandshakeError, BackendError) as exc:
             self.counters.add(handshakes_refused=1)

@@ -1,7 +1,8 @@
 """Wire messages of the control plane: typed, versioned, msgpack-encoded tagged unions.
 
 Decode connects to prefill and opens with ``Hello`` (its layout, the layout hash, its engine
-metadata and the buffers it registered); prefill answers ``HelloAck``. Then per request decode
+metadata, the buffers it registered and the indexer layers its attention reads); prefill answers
+``HelloAck`` with its own layout. Then per request decode
 sends ``RequestPages`` and prefill answers with one ``ChunkDone`` per chunk it wrote. Either side
 may send ``Abort``; both send ``Heartbeat``. Data never travels here, only page ids and states.
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 import msgspec
 
 # 1: first version (layout + buffers handshake, per-chunk completion, abort, heartbeat).
-PROTOCOL_VERSION = 1
+# 2: layer sets: layouts carry index_layer_ids; Hello carries the indexer layers decode reads.
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
@@ -35,6 +37,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     layout_hash: str
     engine_metadata: bytes
     buffers: list[BufferInfo]
+    index_reads: list[int]
     nonce: bytes = b""
     sent_at: float = 0.0
     auth: bytes = b""

@@ -29,13 +29,11 @@ from dsa_bridge.transfer.request import KVPoll
 
 log = logging.getLogger(__name__)
 
-KINDS = ("kv", "index")
-
-
-def page_views(pool) -> list[tuple[int, str, torch.Tensor]]:
-    """(layer id, kind, (pages, item_len) uint8 view) for every buffer of the pool."""
+def page_views(pool, keys=None) -> list[tuple[int, str, torch.Tensor]]:
+    """(layer id, kind, (pages, item_len) uint8 view) for every buffer the pool holds, or for
+    the (layer, kind) ``keys`` only."""
     return [(layer, kind, pool.page_view(layer, kind))
-            for layer in pool.layout.layer_ids for kind in KINDS]
+            for layer, kind in (pool.buffer_keys() if keys is None else keys)]
 
 
 def fill_request(pool, room: int, pages: np.ndarray) -> None:
@@ -45,14 +43,20 @@ def fill_request(pool, room: int, pages: np.ndarray) -> None:
         view.index_copy_(0, index, expected_pages(room, layer, kind, order, view.shape[1]))
 
 
-def count_mismatches(pool, room: int, pages: np.ndarray) -> int:
-    """Bytes of the request's pages that differ from the pattern, over all layers and caches."""
+def count_mismatches(pool, room: int, pages: np.ndarray, keys=None) -> int:
+    """Bytes of the request's pages that differ from what the request should have left there:
+    the pattern in the buffers it filled (``keys``; default every buffer), the sentinel in the
+    buffers it did not (a decode that holds an indexer it does not read gets none)."""
     index = torch.from_numpy(pages)
     order = np.arange(pages.size)
+    filled = set(pool.buffer_keys() if keys is None else keys)
     bad = 0
     for layer, kind, view in page_views(pool):
         got = view.index_select(0, index)
-        want = expected_pages(room, layer, kind, order, view.shape[1])
+        if (layer, kind) in filled:
+            want = expected_pages(room, layer, kind, order, view.shape[1])
+        else:
+            want = torch.full_like(got, SENTINEL)
         if not torch.equal(got, want):
             bad += int((got != want).sum())
     return bad
@@ -73,9 +77,9 @@ def sentinel_intact(pool, pages: np.ndarray) -> bool:
                for _, _, view in page_views(pool))
 
 
-def request_bytes(pool, num_pages: int) -> int:
-    layout = pool.layout
-    return num_pages * (layout.kv_page_bytes + layout.index_page_bytes) * layout.num_layers
+def request_bytes(pool, num_pages: int, keys=None) -> int:
+    """Bytes a request of ``num_pages`` fills in the (layer, kind) ``keys`` (default: all)."""
+    return num_pages * sum(view.shape[1] for _, _, view in page_views(pool, keys))
 
 
 def chunks_of(pages: np.ndarray, chunk_pages: int) -> list[np.ndarray]:
@@ -205,9 +209,9 @@ def drive_decode(node: DecodeNode, lengths: list[int], *, concurrency: int = 4, 
         for room, (receiver, pages) in list(active.items()):
             status = receiver.poll()
             if status == KVPoll.Success:
-                bad = count_mismatches(pool, room, pages)
+                bad = count_mismatches(pool, room, pages, receiver.components)
                 report.bytes_mismatched += bad
-                report.bytes_verified += request_bytes(pool, pages.size)
+                report.bytes_verified += request_bytes(pool, pages.size, receiver.components)
                 report.requests_ok += bad == 0
                 report.requests_failed += bad != 0
                 report.intervals.append((receiver.started_at, receiver.state.finished_at))

@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine-host", default="127.0.0.1")
     parser.add_argument("--secret-file")
     parser.add_argument("--model", default="deepseek-v3.2")
+    parser.add_argument("--indexer-layout", default="uniform", choices=("uniform", "compact"))
     parser.add_argument("--pool-tokens", type=int, default=64 * 64)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=1024)
@@ -59,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    layout = DSALayout.from_hf_config(load_model_config(args.model))
+    layout = DSALayout.from_hf_config(load_model_config(args.model), indexer_layout=args.indexer_layout)
     pool = DSATokenToKVPool.from_layout(layout, size=args.pool_tokens)
     reset_pages(pool, np.arange(pool.num_kv_pages))
     node = DecodeNode(pool, create_backend(args.backend, host=args.engine_host), args.prefill,
@@ -100,10 +101,11 @@ def drive(node: DecodeNode, args: argparse.Namespace) -> dict:
             if status not in (KVPoll.Success, KVPoll.Failed):
                 continue
             if status == KVPoll.Success:
-                bad = count_mismatches(pool, room, pages)
+                bad = count_mismatches(pool, room, pages, receiver.components)
+                nbytes = request_bytes(pool, pages.size, receiver.components)
                 result["bytes_mismatched"] += bad
-                result["bytes_verified"] += request_bytes(pool, pages.size)
-                per_prefill[endpoint]["bytes"] += request_bytes(pool, pages.size)
+                result["bytes_verified"] += nbytes
+                per_prefill[endpoint]["bytes"] += nbytes
                 ok = bad == 0
                 if not ok:
                     result["failures"].append(f"room {room}: {bad} bytes differ")

@@ -193,7 +193,8 @@ def rogue_request(endpoint: str, engine_session: str, room: int, pages: list[int
     returns prefill's ChunkDone report for the room."""
     hello = protocol.Hello(protocol.PROTOCOL_VERSION, "rogue", "mooncake", DEEPSEEK.to_dict(),
                            DEEPSEEK.layout_hash(), engine_session.encode(),
-                           buffer_infos(pool_buffers(make_pool(pages=8))))
+                           buffer_infos(pool_buffers(make_pool(pages=8))),
+                           list(DEEPSEEK.index_layer_ids))
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

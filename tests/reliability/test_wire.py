@@ -42,7 +42,8 @@ CLEAR = re.compile(r"dropped a message: (bad message: .+|expected one payload fr
 def hello_for(pool, engine) -> protocol.Hello:
     layout = pool.layout
     return protocol.Hello(protocol.PROTOCOL_VERSION, "fuzzer", engine.name, layout.to_dict(),
-                          layout.layout_hash(), engine.metadata(), buffer_infos(pool_buffers(pool)))
+                          layout.layout_hash(), engine.metadata(), buffer_infos(pool_buffers(pool)),
+                          list(layout.index_layer_ids))
 
 
 def valid_messages(hello: protocol.Hello) -> list[protocol.Message]:

@@ -49,7 +49,8 @@ def signed_hello(secret: bytes, **changes) -> protocol.Hello:
     engine = FakeBackend()
     hello = protocol.Hello(protocol.PROTOCOL_VERSION, "replayer", engine.name,
                            pool.layout.to_dict(), pool.layout.layout_hash(), engine.metadata(),
-                           buffer_infos(pool_buffers(pool)), nonce=b"n" * 16,
+                           buffer_infos(pool_buffers(pool)), list(pool.layout.index_layer_ids),
+                           nonce=b"n" * 16,
                            sent_at=changes.pop("sent_at", time.time()))
     hello = msgspec.structs.replace(hello, **changes)
     return msgspec.structs.replace(hello, auth=auth.sign(secret, protocol.signed_bytes(hello)))

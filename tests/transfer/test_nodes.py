@@ -109,8 +109,6 @@ def test_concurrent_requests(nodes):
 
 
 MISMATCHES = [
-    ("layer count", dict(config={**SMALL_CONFIG, "num_hidden_layers": 5}), "layer_ids"),
-    ("layer ids", dict(start_layer=1, end_layer=4), "layer_ids"),
     ("page size", dict(page_size=32), "page_size"),
     ("kv dtype / item_len", dict(kv_dtype="bf16"), "kv_dtype|kv_row_bytes|kv_page_bytes"),
     ("indexer geometry", dict(config={**SMALL_CONFIG, "index_head_dim": 256}), "index"),
@@ -135,7 +133,7 @@ def test_handshake_mismatch_is_refused_naming_the_field(label, change, field):
 def test_protocol_version_mismatch(monkeypatch):
     with PrefillNode(make_pool(), FakeBackend()) as prefill:
         monkeypatch.setattr(protocol, "PROTOCOL_VERSION", 99)
-        with pytest.raises(HandshakeError, match="protocol version: peer 99 != local 1"):
+        with pytest.raises(HandshakeError, match="protocol version: peer 99 != local 2"):
             DecodeNode(make_pool(), FakeBackend(), prefill.endpoint)
 
 

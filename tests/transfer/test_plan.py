@@ -13,7 +13,6 @@ from dsa_bridge.transfer.plan import (
     coalesce_runs,
     pair_buffers,
     plan_writes,
-    state_page_ids,
 )
 
 KV, IDX = 41984, 8448
@@ -98,9 +97,26 @@ def test_bounds_use_the_smaller_of_kv_and_index_regions():
         plan_writes(pair_buffers(local, remote), [1], [50])
 
 
-def test_state_pages_are_the_kv_pages():
-    pages = np.array([3, 9, 4])
-    assert state_page_ids(pages) is pages
+def test_indexer_writes_address_the_same_pages_as_kv_writes():
+    """Page p of a KV buffer is row p of the indexer buffer: one page list addresses both."""
+    plan = plan_writes(pairs(layers=(0,)), [5, 6, 9], [7, 8, 2])
+    kv, index = pairs(layers=(0,))
+    runs = plan.runs
+    kv_dst, index_dst = plan.dst[:runs], plan.dst[runs:]
+    assert ((kv_dst - kv.dst.ptr) // KV).tolist() == [7, 2]
+    assert ((index_dst - index.dst.ptr) // IDX).tolist() == [7, 2]
+    assert (plan.length[runs:] // IDX).tolist() == (plan.length[:runs] // KV).tolist() == [2, 1]
+
+
+def test_pairing_a_subset_by_key():
+    local, remote = buffers((0, 1), 10**12, 10), buffers((0, 1), 2 * 10**12, 10)
+    chosen = pair_buffers(local, remote, [(1, "kv"), (0, "kv"), (1, "index")])
+    assert [(p.src.layer_id, p.src.kind) for p in chosen] == [(0, "kv"), (1, "kv"), (1, "index")]
+    with pytest.raises(PlanError, match="peer has no index buffer for layer 0"):
+        pair_buffers(local, [b for b in remote if (b.layer_id, b.kind) != (0, "index")],
+                     [(0, "index")])
+    with pytest.raises(PlanError, match="this side has no kv buffer for layer 5"):
+        pair_buffers(local, remote, [(5, "kv")])
 
 
 page_lists = st.integers(1, 60).flatmap(lambda n: st.tuples(

@@ -11,7 +11,7 @@ from dsa_bridge.transfer.protocol import ProtocolError
 
 SAMPLES = [
     protocol.Hello(protocol.PROTOCOL_VERSION, "d", "mooncake", {"page_size": 64}, "abc",
-                   b"127.0.0.1:15001", [protocol.BufferInfo(3, "kv", 4096, 8192, 4096)]),
+                   b"127.0.0.1:15001", [protocol.BufferInfo(3, "kv", 4096, 8192, 4096)], [3]),
     protocol.HelloAck(1, False, "layout mismatch", "p", {}, ""),
     protocol.RequestPages(7, [1, 2, 9], 130),
     protocol.ChunkDone(7, 0, ok=True, last=True, nbytes=10, descriptors=2),

@@ -36,6 +36,9 @@ def add_pool_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", choices=("fp8", "fp8_raw", "bf16"),
                         help="MLA KV layout: fp8 = 656-byte FlashMLA row, fp8_raw = 576 bytes, bf16; "
                              "default: the preset's (fp8_raw for glm-5.2), else fp8")
+    parser.add_argument("--indexer-layout", default="uniform", choices=("uniform", "compact"),
+                        help="uniform: every layer holds an indexer (default); compact: only the "
+                             "layers that produce their own top-k (GLM-5.2: 21 of 78)")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--pool-tokens", type=int, default=DEFAULT_POOL_TOKENS,
                         help="token slots in the pool, a multiple of the page size "
@@ -70,10 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
                          help="allow a non-loopback listener without a shared secret")
     prefill.add_argument("--chunk-pages", type=int, default=64,
                          help="pages per chunk (a chunked prefill sends a request in pieces)")
+    prefill.add_argument("--start-layer", type=int,
+                         help="first layer this node holds (a pipeline stage; default 0)")
+    prefill.add_argument("--end-layer", type=int,
+                         help="one past the last layer this node holds (default: all)")
 
     decode = sub.add_parser("decode", help="run verified requests against a prefill node")
     add_node_options(decode)
-    decode.add_argument("--prefill", required=True, help="prefill control endpoint HOST:PORT")
+    decode.add_argument("--prefill", required=True,
+                        help="prefill control endpoint HOST:PORT, or the comma-separated endpoints "
+                             "of the pipeline stages that together hold every layer")
+    decode.add_argument("--indexer-reads", default="held", choices=("held", "producers"),
+                        help="indexer layers this node's attention reads: every one it holds "
+                             "(default), or only the producer layers (index sharing on)")
     decode.add_argument("--engine-host", help="address prefill reaches this node's engine at "
                                               "(default: the local address routed to prefill)")
     add_run_options(decode)
@@ -103,7 +115,9 @@ def make_layout(args) -> tuple[dict, object]:
 
     config = load_model_config(args.model)
     kv_dtype = args.kv_dtype or config.get("dsa_bridge_kv_dtype", "fp8")
-    return config, DSALayout.from_hf_config(config, page_size=args.page_size, kv_dtype=kv_dtype)
+    return config, DSALayout.from_hf_config(
+        config, page_size=args.page_size, kv_dtype=kv_dtype, indexer_layout=args.indexer_layout,
+        start_layer=getattr(args, "start_layer", None), end_layer=getattr(args, "end_layer", None))
 
 
 def make_pool(args):
@@ -118,7 +132,8 @@ def cmd_pool(args) -> int:
     config, layout = make_layout(args)
     budget = int(args.budget_gib * 2**30)
     info = {
-        "model": args.model, "layers": layout.num_layers, "kv_dtype": layout.kv_dtype,
+        "model": args.model, "layers": layout.num_layers, "indexer_layout": layout.indexer_layout,
+        "indexer_layers": len(layout.index_layer_ids), "kv_dtype": layout.kv_dtype,
         "page_size": layout.page_size, "kv_row_bytes": layout.kv_row_bytes,
         "kv_page_bytes": layout.kv_page_bytes, "index_row_bytes": layout.index_row_bytes,
         "index_page_bytes": layout.index_page_bytes,
@@ -169,18 +184,23 @@ def cmd_prefill(args) -> int:
 
 
 def cmd_decode(args) -> int:
+    from dsa_bridge.plugin import DSATokenToKVPool, index_layer_ids_for
     from dsa_bridge.transfer.backends import create_backend
     from dsa_bridge.transfer.control import parse_endpoint
     from dsa_bridge.transfer.decode import DecodeNode
     from dsa_bridge.transfer.roles import drive_decode, request_lengths, reset_pages
 
-    prefill_host, _ = parse_endpoint(args.prefill, "--prefill")
-    pool = make_pool(args)
+    endpoints = args.prefill.split(",")
+    prefill_host, _ = parse_endpoint(endpoints[0], "--prefill")
+    config, layout = make_layout(args)
+    reads = None if args.indexer_reads == "held" else index_layer_ids_for(
+        config, layout.index_layer_ids, "compact")
+    pool = DSATokenToKVPool.from_layout(layout, size=args.pool_tokens)
     reset_pages(pool, np.arange(pool.num_kv_pages))
     engine_host = args.engine_host or local_address_for(prefill_host)
-    with DecodeNode(pool, create_backend(args.backend, host=engine_host), args.prefill,
+    with DecodeNode(pool, create_backend(args.backend, host=engine_host), endpoints,
                     request_timeout_s=args.request_timeout, peer_timeout_s=args.peer_timeout,
-                    secret=load_secret(args.secret_file)) as node:
+                    secret=load_secret(args.secret_file), index_reads=reads) as node:
         lengths = request_lengths(args.requests, pool.page_size,
                                   min(args.max_tokens, args.pool_tokens), args.seed)
         # room ids are global on a prefill node (as SGLang's bootstrap rooms): random, so that
@@ -191,7 +211,9 @@ def cmd_decode(args) -> int:
             "requests": report.requests, "requests_ok": report.requests_ok,
             "requests_failed": report.requests_failed, "bytes_verified": report.bytes_verified,
             "bytes_mismatched": report.bytes_mismatched, "sentinel_intact": report.sentinel_intact,
-            "layers": pool.layout.num_layers, "gbps": round(report.gbps, 3),
+            "layers": pool.layout.num_layers, "indexer_layout": pool.layout.indexer_layout,
+            "indexer_layers": len({lid for p in node.peers for lid, kind in p.keys if kind == "index"}),
+            "gbps": round(report.gbps, 3),
             "engine_gbps": round(report.engine_gbps, 3), "seconds": round(report.seconds, 3),
             "transfer_seconds": round(report.transfer_seconds, 3), "backend": args.backend,
             "transport": node.backend.transport(), "model": args.model,

@@ -19,7 +19,8 @@ from dsa_bridge.transfer.summary import print_summary
 
 
 def node_arguments(args) -> list[str]:
-    arguments = ["--model", args.model, "--page-size", str(args.page_size), "--pool-tokens",
+    arguments = ["--model", args.model, "--indexer-layout", args.indexer_layout,
+                 "--page-size", str(args.page_size), "--pool-tokens",
                  str(args.pool_tokens), "--backend", args.backend, "--peer-timeout",
                  str(args.peer_timeout), "--request-timeout", str(args.request_timeout)]
     if args.kv_dtype:

@@ -20,7 +20,8 @@ def print_summary(summary: dict, *, as_json: bool) -> None:
     verdict = "OK" if summary["ok"] else "FAILED"
     print(f"{verdict}: {summary['requests_ok']}/{summary['requests']} requests, "
           f"{summary['bytes_verified'] / 1e9:.2f} GB verified byte-exact over "
-          f"{summary['layers']} layers x (MLA KV + indexer); {summary['gbps']:.2f} GB/s while "
+          f"{summary['layers']} layers' MLA KV and {summary['indexer_layers']} layers' indexer; "
+          f"{summary['gbps']:.2f} GB/s while "
           f"transferring, {summary['engine_gbps']:.2f} GB/s inside the engine "
           f"({summary['backend']} over {summary['transport']}, {summary['seconds']:.1f}s in all)",
           flush=True)

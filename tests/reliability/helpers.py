@@ -15,7 +15,10 @@ from dsa_bridge.transfer.roles import reset_pages
 from .procs import Hang
 
 DEEPSEEK = DSALayout.preset("deepseek-v3.2")
+GLM_COMPACT = DSALayout.preset("glm-5.2", kv_dtype="fp8_raw", indexer_layout="compact")
 SMALL = {"num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128}
+SMALL_SHARED = {**SMALL, "num_hidden_layers": 6,  # layers 2, 4 and 5 share another's top-k
+                "indexer_types": ["full", "full", "shared", "full", "shared", "shared"]}
 
 
 def make_pool(layout: DSALayout = DEEPSEEK, pages: int = 48, *, guard_bytes: int = 0,

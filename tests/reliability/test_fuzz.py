@@ -1,10 +1,12 @@
 """Random requests, valid and invalid, into pools fenced with canary guard bytes.
 
 Thousands of requests run through a prefill and a decode node over the in-process memmove
-engine, and a smaller run over each real engine. Valid requests (random fragmented pages, random
-chunking) must arrive byte-exact. Invalid ones (out-of-range, page-0, negative and int64/uint64
-extreme page ids, empty and duplicate page lists, wrong page counts, overflowing and empty chunks,
-sends before init, aborts of unknown rooms) must be refused before any byte moves: the engine
+engine, and a smaller run over each real engine; both again with compact pools (index-sharing
+layers without an indexer buffer), whose canaries fence only the buffers that exist. Valid
+requests (random fragmented pages, random chunking) must arrive byte-exact. Invalid ones
+(out-of-range, page-0, negative and int64/uint64 extreme page ids, empty and duplicate page lists,
+wrong page counts, overflowing and empty chunks, sends before init, aborts of unknown rooms) must
+be refused before any byte moves: the engine
 sees exactly the valid requests' chunks, every page no valid request owns keeps the sentinel, and
 the canaries around every buffer of both pools never change.
 """
@@ -20,10 +22,16 @@ from dsa_bridge.transfer.backends import BACKENDS, create_backend
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll
-from dsa_bridge.transfer.roles import count_mismatches, fill_request, reset_pages, sentinel_intact
+from dsa_bridge.transfer.roles import (
+    count_mismatches,
+    fill_request,
+    request_bytes,
+    reset_pages,
+    sentinel_intact,
+)
 
 from ..transfer.fake_backend import FakeBackend
-from .helpers import DEEPSEEK, SMALL, make_pool, settled, wait_until
+from .helpers import DEEPSEEK, GLM_COMPACT, SMALL, SMALL_SHARED, make_pool, settled, wait_until
 
 CATEGORY = "bad inputs tried"
 GUARD = 64
@@ -54,12 +62,13 @@ KINDS = {
 class Harness:
     """A prefill and a decode node, both pools fenced with canaries; runs batches of cases."""
 
-    def __init__(self, layout: DSALayout, engine, pages: int, seed: int):
+    def __init__(self, layout: DSALayout, engine, pages: int, seed: int,
+                 decode_layout: DSALayout | None = None):
         self.rng = np.random.default_rng(seed)
         self.prefill = PrefillNode(make_pool(layout, pages, guard_bytes=GUARD, sentinel=False),
                                    engine(), heartbeat_s=0.1)
-        self.decode = DecodeNode(make_pool(layout, pages, guard_bytes=GUARD), engine(),
-                                 self.prefill.endpoint, heartbeat_s=0.1)
+        self.decode = DecodeNode(make_pool(decode_layout or layout, pages, guard_bytes=GUARD),
+                                 engine(), self.prefill.endpoint, heartbeat_s=0.1)
         self.limit = self.decode.pool.num_kv_pages
         self.next_room = 1
         self.writes = 0  # engine writes the valid cases account for
@@ -181,10 +190,9 @@ class Harness:
             reason = KINDS[kind][1]
             if kind == "valid":
                 assert receiver.poll() == KVPoll.Success, receiver.state.reason
-                lost = count_mismatches(pool, receiver.room, dst)
+                lost = count_mismatches(pool, receiver.room, dst, receiver.components)
                 self.lost += lost
-                self.bytes += dst.size * pool.layout.num_layers * (
-                    pool.layout.kv_page_bytes + pool.layout.index_page_bytes)
+                self.bytes += request_bytes(pool, dst.size, receiver.components)
                 self.ok += 1
                 used.append(dst)
                 assert lost == 0
@@ -229,3 +237,17 @@ def test_thousands_of_random_requests_over_the_memmove_engine(ledger):
 def test_random_requests_over_a_real_engine(backend, ledger):
     run(Harness(DEEPSEEK, lambda: create_backend(backend), pages=48, seed=6), total=160,
         batch=24, ledger=ledger)
+
+
+@pytest.mark.parametrize("prefill_layout", ["uniform", "compact"])
+def test_random_requests_into_a_compact_pool_over_the_memmove_engine(prefill_layout, ledger):
+    compact = DSALayout.from_hf_config(SMALL_SHARED, indexer_layout="compact")
+    source = DSALayout.from_hf_config(SMALL_SHARED, indexer_layout=prefill_layout)
+    run(Harness(source, FakeBackend, pages=96, seed=7, decode_layout=compact), total=400,
+        batch=40, ledger=ledger)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_requests_between_compact_pools_over_a_real_engine(backend, ledger):
+    run(Harness(GLM_COMPACT, lambda: create_backend(backend), pages=32, seed=8), total=60,
+        batch=20, ledger=ledger)

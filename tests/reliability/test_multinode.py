@@ -1,10 +1,11 @@
 """Multi-node: every node its own OS process, in its own network namespace with its own address.
 
-One prefill node serves two decode nodes while a second prefill node feeds one of them too, over
-both engines, on the authenticated path (non-loopback listeners need the shared secret). Where
-namespaces cannot be made the same scenarios run on 127.0.0.1 (the ``netns`` variant skips with
-the reason). Peers without the secret or with a stale layout are refused, and the refusal is
-logged by the prefill node, which keeps serving.
+One prefill node serves two decode nodes while a second prefill node feeds one of them too, and
+one GLM-5.2 prefill node serves a compact and a uniform decode node, over both engines, on the
+authenticated path (non-loopback listeners need the shared secret). Where namespaces cannot be
+made the same scenarios run on 127.0.0.1 (the ``netns`` variant skips with the reason). Peers
+without the secret or with a stale layout are refused, and the refusal is logged by the prefill
+node, which keeps serving.
 """
 
 from __future__ import annotations
@@ -65,6 +66,36 @@ def test_one_prefill_two_decodes_and_two_prefills_one_decode(backend, hosts, pro
         assert rx[0] >= one["bytes_verified"] and rx[1] >= two["bytes_verified"], rx
         if backend == "nixl":
             assert f"UCX_NET_DEVICES={d2_host.device}" in two["transport"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_uniform_prefill_feeds_a_compact_and_a_uniform_decode(backend, hosts, procs, secret_file,
+                                                                   ledger):
+    """GLM-5.2: the compact decode receives only the 21 producer layers' indexers, the uniform
+    one all 78; both byte-exact, from one prefill node."""
+    p_host, d1_host, d2_host = hosts(3)
+    glm = ("--model", "glm-5.2", "--secret-file", secret_file, *NODE)
+    node = prefill(procs, p_host, backend, *glm, name="prefill-glm")
+    listening(procs, node)
+    runs = {layout: decode(procs, host, backend, node.endpoint, *glm, "--indexer-layout", layout,
+                           "--requests", "5", "--max-tokens", "1024", name=f"decode-{layout}")
+            for layout, host in (("compact", d1_host), ("uniform", d2_host))}
+    results = {layout: summary(procs, run, RUN_S) for layout, run in runs.items()}
+    assert node.stop() == 0
+    counters = node.counters()
+    ledger.record(tried=10, ok=sum(r["requests_ok"] for r in results.values()),
+                  failed=sum(r["requests_failed"] for r in results.values()),
+                  bytes_verified=sum(r["bytes_verified"] for r in results.values()),
+                  bytes_lost=sum(r["bytes_mismatched"] for r in results.values()))
+    for layout, indexers in (("compact", 21), ("uniform", 78)):
+        result = results[layout]
+        assert result["ok"] and result["requests_ok"] == 5, result["failures"]
+        shape = (result["indexer_layout"], result["layers"], result["indexer_layers"])
+        assert shape == (layout, 78, indexers)
+        assert result["bytes_mismatched"] == 0 and result["sentinel_intact"]
+        assert result["counters"]["bytes"] == result["bytes_verified"]
+    assert counters["handshakes_ok"] == 2 and counters["requests_ok"] == 10
+    assert counters["bytes"] == sum(r["bytes_verified"] for r in results.values())
 
 
 def test_peers_without_the_secret_or_with_a_stale_layout_are_refused(hosts, procs, secret_file,

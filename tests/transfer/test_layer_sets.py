@@ -199,3 +199,33 @@ def test_a_stage_reporting_short_or_twice_fails_the_request(closing):
         decode._on_chunk(peer, protocol.ChunkDone(6, 1, ok=True, last=True, nbytes=part))
     assert receiver.poll() == KVPoll.Failed
     assert "reported its last chunk twice" in str(receiver.failure_exception())
+
+
+# ---- SGLang's zero-row buffer infos -----------------------------------------------------------
+def test_sglang_zero_row_infos_are_never_registered_or_planned(closing):
+    """What SGLang 0.5.23's pool hands over for index sharing: a (0, 0, 0) state entry for each
+    shared layer. Normalised by layer id to absent entries, they reach neither the engine's
+    registration nor a plan, and the transfer into a compact decode is byte-exact."""
+    from dsa_bridge.plugin.descriptors import BufferSet
+
+    pool = make_pool(SHARED, indexer_layout="compact")
+    kv = pool.get_contiguous_buf_infos()
+    present = dict(zip(pool.state_layer_ids, zip(*pool.get_state_buf_infos(), strict=True), strict=True))
+    state = tuple(list(x) for x in zip(*(present.get(lid, (0, 0, 0)) for lid in range(6)), strict=True))
+    buffers = BufferSet.from_buf_infos(pool.layout, kv, pool.kv_layer_ids, state, list(range(6)))
+    engine = FakeBackend()
+    prefill = PrefillNode(buffers, engine, heartbeat_s=0.1)
+    closing(prefill)
+    assert len(engine.regions) == 6 + 3 and all(r.ptr > 0 and r.nbytes > 0 for r in engine.regions)
+    decode = decode_node(closing, prefill.endpoint, indexer_layout="compact")
+    fill_request(pool, 8, np.array(SRC))  # the model writes the pool behind the buffer infos
+    receiver = decode.receiver(8)
+    receiver.init(DST)
+    sender = prefill.sender(8)
+    sender.init(len(SRC))
+    sender.send(SRC)
+    wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), what="request end")
+    assert receiver.poll() == KVPoll.Success, receiver.failure_exception()
+    assert index_layers(receiver.components) == list(PRODUCERS)
+    assert count_mismatches(decode.pool, 8, np.array(DST)) == 0
+    assert receiver.descriptors == 3 * (6 + 3)  # runs (9 | 3,4,5 | ...) x the 9 real buffers

@@ -12,7 +12,8 @@ that same run (medians of ``repeat`` interleaved runs; see ``bench_measure`` for
 Sweeps, per backend: request length (DeepSeek-V3.2 with all 61 layers as far as memory allows,
 then cut to a few layers up to 128K tokens), layers (GLM-5.2 cut to N layers), page patterns
 (contiguous, fragmented, one page per descriptor) and concurrent requests. Without a transfer:
-the planner's cost per request and the pool operations against memcpy.
+the planner's cost per request and the pool operations against memcpy. Layer sets: GLM-5.2 in the
+compact layout against the uniform one, bytes on the wire and end-to-end time.
 
 This module is the command and its report (headline figures, targets, tables, plots); it loads
 torch and the engines only when a bench runs. Progress goes to stderr. With ``--json`` the only
@@ -103,6 +104,20 @@ def add_plan_shares(plan_rows: list[dict], transfers: list[dict], backends: list
     return headline
 
 
+def layer_sets_summary(transfers: list[dict], backends: list[str]) -> dict:
+    """GLM-5.2, all 78 layers, one request: compact against uniform, per backend — bytes on the
+    wire and end-to-end seconds, each as compact / uniform."""
+    out = {}
+    for backend in backends:
+        rows = {r["indexer_layout"]: r for r in transfers
+                if r["backend"] == backend and r["sweep"] == "layer_sets"}
+        uniform, compact = rows["uniform"], rows["compact"]
+        out[backend] = {"bytes_ratio": compact["bytes"] / uniform["bytes"],
+                        "seconds_ratio": compact["e2e_s"] / uniform["e2e_s"],
+                        "uniform_bytes": uniform["bytes"], "compact_bytes": compact["bytes"]}
+    return out
+
+
 def summarize(transfers: list[dict], plan_share: dict, pool_rows: list[dict],
               backends: list[str]) -> dict:
     """The headline figures, and whether each target is met: the median over the points a
@@ -129,6 +144,7 @@ def summarize(transfers: list[dict], plan_share: dict, pool_rows: list[dict],
         "pool_vs_memcpy": bulk,
         "pool_vs_memcpy_lowest": bulk_lowest,
         "get_cpu_copy_vs_fresh_memcpy": statistics.median(fresh),
+        "compact_vs_uniform": layer_sets_summary(transfers, backends),
         "targets_met": {
             "ratio_vs_raw": {b: v >= TARGETS["ratio_vs_raw"] for b, v in ratio.items()},
             "plan_share": {b: v <= TARGETS["plan_share"] for b, v in plan_share.items()},
@@ -138,18 +154,19 @@ def summarize(transfers: list[dict], plan_share: dict, pool_rows: list[dict],
     }
 
 
-def run(size: str, backends: list[str]) -> dict:
+def run(size: str, backends: list[str], indexer_layout: str = "uniform") -> dict:
     """Measure everything ``SIZES[size]`` asks for; the report as one JSON-ready dict."""
     from dsa_bridge.transfer import bench_measure  # torch, the nodes and the engines
 
     sizes = SIZES[size]
     started, load = time.monotonic(), os.getloadavg()
     plan_rows = bench_measure.plan_cost(sizes)
-    transfers, transports = bench_measure.run_transfers(sizes, backends)
+    transfers, transports = bench_measure.run_transfers(sizes, backends, indexer_layout)
     pool_rows = bench_measure.pool_ops(sizes)
     plan_share = add_plan_shares(plan_rows, transfers, backends)
     return {
         "version": REPORT_VERSION, "size": size, "repeat": sizes.repeat, "backends": backends,
+        "indexer_layout": indexer_layout,
         "transports": transports, "machine": machine(),
         "load_average": {"start": load, "end": os.getloadavg()},
         "seconds": round(time.monotonic() - started, 1),
@@ -163,11 +180,12 @@ def print_tables(report: dict) -> None:
     load = report["load_average"]
     print(f"dsa-bridge bench ({report['size']}, median of {report['repeat']}, "
           f"{report['seconds']:.0f} s, load average {load['start'][0]:.1f} -> {load['end'][0]:.1f})")
-    print(f"{'backend':8} {'sweep':11} {'model':13} {'L':>2} {'tokens':>6} {'req':>3} "
+    print(f"{'backend':8} {'sweep':11} {'model':13} {'L':>2} {'ix':>2} {'tokens':>6} {'req':>3} "
           f"{'pattern':10} {'MB':>6} {'desc':>6} {'e2e GB/s':>8} {'raw':>5} {'memcpy':>6} "
           f"{'e2e/raw':>7} {'+ms':>5} {'plan%':>5}")
     for r in report["transfer"]:
-        print(f"{r['backend']:8} {r['sweep']:11} {r['model']:13} {r['layers']:>2} {r['tokens']:>6} "
+        print(f"{r['backend']:8} {r['sweep']:11} {r['model']:13} {r['layers']:>2} "
+              f"{r['buffers'] - r['layers']:>2} {r['tokens']:>6} "
               f"{r['requests']:>3} {r['pattern']:10} {r['bytes'] / 1e6:>6.0f} {r['descriptors']:>6} "
               f"{r['e2e_gbps']:>8.2f} {r['raw_gbps']:>5.2f} {r['memcpy_gbps']:>6.1f} "
               f"{r['ratio_vs_raw']:>7.2f} {r['overhead_ms']:>5.1f} {100 * r['plan_share']:>5.2f}")
@@ -191,6 +209,9 @@ def print_tables(report: dict) -> None:
           f"{report['pool_vs_memcpy_lowest']}")
     print(f"get_cpu_copy against a memmove into fresh memory (bulk, median): "
           f"{report['get_cpu_copy_vs_fresh_memcpy']:.2f}")
+    for backend, ratios in report["compact_vs_uniform"].items():
+        print(f"GLM-5.2 compact / uniform, {backend}: bytes {ratios['bytes_ratio']:.3f}, "
+              f"end-to-end seconds {ratios['seconds_ratio']:.3f}")
     print(f"targets met: {report['targets_met']}")
 
 
@@ -281,6 +302,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.set_defaults(size="full")
     bench.add_argument("--backends", default=",".join(BACKENDS),
                        help=f"comma-separated, of {', '.join(BACKENDS)} (default: all)")
+    bench.add_argument("--indexer-layout", default="uniform", choices=("uniform", "compact"),
+                       help="the GLM-5.2 layer sweep's pools (the layer-sets sweep runs both)")
     bench.add_argument("--json", action="store_true", help="print the report as one JSON object")
     bench.add_argument("--plots", metavar="DIR", help="write bench_gbps_vs_length.png and "
                                                       "bench_plan_cost.png there (matplotlib)")
@@ -293,7 +316,7 @@ def run_bench(args: argparse.Namespace) -> int:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     with stdout_to_stderr() if args.json else contextlib.nullcontext():
-        report = run(args.size, backends)
+        report = run(args.size, backends, args.indexer_layout)
         if args.plots:
             report["plots"] = write_plots(report, args.plots)
     if args.json:

@@ -50,7 +50,7 @@ from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
 from dsa_bridge.transfer.allocator import PageAllocator
 from dsa_bridge.transfer.backends import create_backend
 from dsa_bridge.transfer.decode import DecodeNode, KVReceiver
-from dsa_bridge.transfer.handshake import buffer_infos, pair_with_peer
+from dsa_bridge.transfer.handshake import buffer_infos, pair_with_peer, transfer_set
 from dsa_bridge.transfer.plan import Buffer, pair_buffers, plan_writes
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.protocol import BufferInfo
@@ -78,10 +78,17 @@ class Geometry:
     kv_dtype: str
     pool_tokens: int
     page_size: int = PAGE
+    indexer_layout: str = "uniform"
 
     def layout(self) -> DSALayout:
         return DSALayout.preset(self.model, end_layer=self.layers, kv_dtype=self.kv_dtype,
-                                page_size=self.page_size)
+                                page_size=self.page_size, indexer_layout=self.indexer_layout)
+
+    @property
+    def buffers(self) -> int:
+        """Buffers a request fills: every layer's KV, and each indexer the layout holds."""
+        layout = self.layout()
+        return layout.num_layers + len(layout.index_layer_ids)
 
     def pool(self) -> DSATokenToKVPool:
         return DSATokenToKVPool.from_layout(self.layout(), size=self.pool_tokens)
@@ -152,8 +159,10 @@ class _PrefillServer:
         return {"endpoint": self.node.endpoint, "transport": self.node.backend.transport()}
 
     def set_peer(self, metadata: bytes, buffers: list) -> dict:
-        infos = [BufferInfo(*b) for b in buffers]
-        self.pairs = pair_with_peer(self.node.layout, self.node.buffers, infos)
+        """The pairs the node itself made for the decode node (same geometry on both sides)."""
+        infos, layout = [BufferInfo(*b) for b in buffers], self.node.layout
+        keys = transfer_set(layout, layout, layout.index_layer_ids)
+        self.pairs = pair_with_peer(layout, self.node.buffers, infos, keys)
         self.peer = self.node.backend.connect(metadata)
         return {}
 
@@ -407,8 +416,8 @@ def measure(session: TransferSession, memcpy: Memcpy, requests: list, repeat: in
     ``ratio_vs_raw`` (and ``overhead_ms``, what dsa-bridge adds to a request) as the median of the
     ratios (differences) of back-to-back pairs, which a drift of the machine's load affects least;
     every sample is kept."""
-    layers = session.geometry.layers
-    expected = sum(runs(src, dst) for src, dst in requests) * layers * 2
+    layers, buffers = session.geometry.layers, session.geometry.buffers
+    expected = sum(runs(src, dst) for src, dst in requests) * buffers
     session.end_to_end(requests)  # warm-up: the engine's paths, caches, the planner
     e2e, raw, copy, plan = [], [], [], []
     for i in range(repeat):
@@ -424,8 +433,10 @@ def measure(session: TransferSession, memcpy: Memcpy, requests: list, repeat: in
     e2e_s, raw_s, copy_s, plan_s = (statistics.median(x) for x in (e2e, raw, copy, plan))
     nbytes = transfer.nbytes
     return {
-        "model": session.geometry.model, "layers": layers, "tokens": int(requests[0][0].size * PAGE),
-        "requests": len(requests), "bytes": nbytes, "runs": expected // (layers * 2),
+        "model": session.geometry.model, "layers": layers,
+        "indexer_layout": session.geometry.indexer_layout, "buffers": buffers,
+        "tokens": int(requests[0][0].size * PAGE),
+        "requests": len(requests), "bytes": nbytes, "runs": expected // buffers,
         "descriptors": transfer.descriptors, "raw_descriptors": reply["descriptors"],
         "descriptors_expected": expected,
         "descriptors_exact": transfer.descriptors == expected == reply["descriptors"]
@@ -440,9 +451,12 @@ def measure(session: TransferSession, memcpy: Memcpy, requests: list, repeat: in
     }
 
 
-def transfer_jobs(sizes: Sizes) -> list[tuple[Geometry, list[tuple[str, str, int, int]]]]:
+def transfer_jobs(sizes: Sizes, indexer_layout: str = "uniform"
+                  ) -> list[tuple[Geometry, list[tuple[str, str, int, int]]]]:
     """Per geometry (pool sized for its largest point): (sweep, pattern, pages per request,
-    requests) points. Both sides hold one such pool; the bench process also two memcpy buffers."""
+    requests) points. Both sides hold one such pool; the bench process also two memcpy buffers.
+    ``indexer_layout`` is the GLM-5.2 layer sweep's; the layer-sets sweep runs GLM-5.2, all 78
+    layers, in both layouts."""
     deepseek = [("length", "contiguous", t // PAGE, 1) for t in sizes.lengths]
     deepseek += [("descriptors", p, sizes.sweep_tokens // PAGE, 1) for p in PATTERNS[1:]]
     deepseek += [("concurrency", "contiguous", sizes.concurrency_tokens // PAGE, c)
@@ -450,22 +464,27 @@ def transfer_jobs(sizes: Sizes) -> list[tuple[Geometry, list[tuple[str, str, int
     jobs = [(("deepseek-v3.2", 61, "fp8"), deepseek),
             (("deepseek-v3.2", sizes.long_layers, "fp8"),
              [("length_long", "contiguous", t // PAGE, 1) for t in sizes.long_lengths])]
-    jobs += [(("glm-5.2", n, "fp8_raw"), [("layers", "contiguous", sizes.sweep_tokens // PAGE, 1)])
-             for n in sizes.layer_counts]
+    jobs = [(*job, "uniform") for job in jobs]
+    jobs += [(("glm-5.2", n, "fp8_raw"), [("layers", "contiguous", sizes.sweep_tokens // PAGE, 1)],
+              indexer_layout) for n in sizes.layer_counts]
+    jobs += [(("glm-5.2", 78, "fp8_raw"), [("layer_sets", "contiguous", sizes.sweep_tokens // PAGE, 1)],
+              layout) for layout in ("uniform", "compact")]
     out = []
-    for (model, layers, kv_dtype), points in jobs:
+    for (model, layers, kv_dtype), points, layout in jobs:
         pages = max(pool_pages(pattern, n * k) for _, pattern, n, k in points)
-        out.append((Geometry(model, layers, kv_dtype, pool_tokens=pages * PAGE), points))
+        out.append((Geometry(model, layers, kv_dtype, pool_tokens=pages * PAGE,
+                             indexer_layout=layout), points))
     return out
 
 
-def run_transfers(sizes: Sizes, backends: list[str]) -> tuple[list[dict], dict[str, str]]:
+def run_transfers(sizes: Sizes, backends: list[str], indexer_layout: str = "uniform"
+                  ) -> tuple[list[dict], dict[str, str]]:
     """Every transfer point on every backend: rows, and the transport each backend used."""
     rows, transports = [], {}
     child = PrefillChild()
     try:
         for backend in backends:
-            for geometry, points in transfer_jobs(sizes):
+            for geometry, points in transfer_jobs(sizes, indexer_layout):
                 transports[backend] = measure_geometry(child, backend, geometry, points,
                                                        sizes.repeat, rows)
     finally:
@@ -484,7 +503,8 @@ def measure_geometry(child: PrefillChild, backend: str, geometry: Geometry, poin
             row = {"backend": backend, "sweep": sweep, "pattern": pattern,
                    **measure(session, memcpy, page_ids(pattern, pages, count), repeat)}
             rows.append(row)
-            progress(f"{backend} {geometry.model} x{geometry.layers} {sweep} {row['tokens']} "
+            progress(f"{backend} {geometry.model} x{geometry.layers} {geometry.indexer_layout} "
+                     f"{sweep} {row['tokens']} "
                      f"tokens x{count} {pattern}: end-to-end {row['e2e_gbps']:.2f} GB/s, raw "
                      f"{row['raw_gbps']:.2f} ({row['ratio_vs_raw']:.2f}x), memcpy "
                      f"{row['memcpy_gbps']:.1f}")

@@ -45,15 +45,19 @@ def test_tiny_bench_reports_every_figure(tmp_path):
     assert report["get_cpu_copy_vs_fresh_memcpy"] > 0
     assert report["targets_met"]["descriptors_exact"] is True
     assert set(report["transports"]) == set(backends)
+    for backend in backends:  # GLM-5.2: 78 KV + 21 indexer buffers against 78 + 78
+        ratios = report["compact_vs_uniform"][backend]
+        assert ratios["bytes_ratio"] == (78 * 36_864 + 21 * 8448) / (78 * 36_864 + 78 * 8448)
+        assert ratios["seconds_ratio"] > 0
 
-    sweeps = {"length", "length_long", "descriptors", "concurrency", "layers"}
+    sweeps = {"length", "length_long", "descriptors", "concurrency", "layers", "layer_sets"}
     for backend in backends:
         rows = [r for r in report["transfer"] if r["backend"] == backend]
         assert {r["sweep"] for r in rows} == sweeps
         assert {r["pattern"] for r in rows} == {"contiguous", "fragmented", "per_page"}
     for row in report["transfer"]:
         assert all(row[key] > 0 for key in ROW_FIGURES), row
-        assert row["descriptors"] == row["runs"] * row["layers"] * 2
+        assert row["descriptors"] == row["runs"] * row["buffers"]
         assert len(row["e2e_samples_s"]) == len(row["raw_samples_s"]) == report["repeat"]
     for row in report["plan"]:
         assert row["seconds"] > 0 and row["descriptors"] == row["runs"] * 61 * 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -28,7 +29,16 @@ def test_report_what_this_machine_offers(record_property):
         assert not missing, f"CI must run both engines: {missing}"
 
 
+# an engine's modules, and the package its explanation must tell the user to install
+MISSING = {"mooncake": (("mooncake.engine",), "install mooncake-transfer-engine-non-cuda"),
+           "nixl": (("nixl_cu12._api", "nixl_cu13._api", "nixl._api"), "install nixl-cu12")}
+
+
 @pytest.mark.parametrize("name", BACKENDS)
-def test_engines_start_here_or_explain_why_not(name):
+def test_a_missing_engine_is_explained_with_what_to_install(name, monkeypatch):
+    modules, hint = MISSING[name]
+    for module in modules:  # a None entry makes importing the module fail
+        monkeypatch.setitem(sys.modules, module, None)
     problem = engine_problem(name)
-    assert problem is None or name in problem
+    assert problem is not None and problem.startswith(f"{name} import failed")
+    assert hint in problem

@@ -364,22 +364,17 @@ class DecodeNode:
                     log.warning("%s: prefill %s silent for %.1fs", self.name, peer.endpoint,
                                 now - peer.last_seen)
             for receiver in self._receivers.values():
-                dead = [p.endpoint for p in receiver.peers
-                        if not p.alive and p.endpoint in receiver.outstanding]
+                if receiver.state.status in TERMINAL:
+                    continue
+                dead = [p.endpoint for p in receiver.peers if not p.alive]
                 if dead:
                     # a dead engine writes nothing more; a short grace covers bytes already
                     # queued in our own engine
                     receiver.outstanding.difference_update(dead)
                     receiver.dead_peer = True
-                    if receiver.state.status in TERMINAL:
-                        self._settle(receiver)
-                    else:
-                        self._fail_sent(receiver, f"prefill {dead[0]} unreachable (no heartbeat "
-                                                  f"for {self.peer_timeout_s:.1f}s)")
-                    continue
-                if receiver.state.status in TERMINAL:
-                    continue
-                if now > receiver.state.deadline:
+                    self._fail_sent(receiver, f"prefill {dead[0]} unreachable (no heartbeat "
+                                              f"for {self.peer_timeout_s:.1f}s)")
+                elif now > receiver.state.deadline:
                     self._abort(receiver, f"timed out after {self.request_timeout_s:.0f}s")
             if now >= self._next_heartbeat:
                 self._next_heartbeat = now + self.heartbeat_s

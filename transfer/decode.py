@@ -4,8 +4,9 @@
 handshakes with each (layout, hash and buffers; a mismatch raises HandshakeError before anything
 else happens). A ``KVReceiver`` per request sends the pages decode allocated and follows the
 request to Success, or to Failed with a reason: a prefill failure, an abort, a missed deadline,
-or a prefill that stopped answering. Pages of a failed request are held back until no write
-into them can still land.
+or a prefill that stopped answering. With ``checksums`` on, a request turns Success only once
+the verifier thread has checked every page of every buffer against the checksums prefill sent.
+Pages of a failed request are held back until no write into them can still land.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from dsa_bridge.transfer import auth, protocol
+from dsa_bridge.transfer import auth, checksum, protocol
 from dsa_bridge.transfer.backends.base import MemoryRegion, TransferBackend
 from dsa_bridge.transfer.control import ControlLoop, parse_endpoint, zmq_address
 from dsa_bridge.transfer.counters import Counters
@@ -32,6 +33,7 @@ from dsa_bridge.transfer.handshake import (
 )
 from dsa_bridge.transfer.plan import PlanError, as_page_ids, check_pages
 from dsa_bridge.transfer.request import TERMINAL, KVPoll, RequestState
+from dsa_bridge.transfer.verify import ChunkVerifier
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class KVReceiver:
         self.nbytes = 0
         self.descriptors = 0
         self.write_seconds = 0.0
+        self.checksums_verified = 0
         self.started_at: float | None = None
 
     def init(self, page_ids, num_tokens: int = 0) -> None:
@@ -85,7 +88,7 @@ class DecodeNode:
                  name: str | None = None, handshake_timeout_s: float = 10.0,
                  request_timeout_s: float = 60.0, peer_timeout_s: float = 5.0,
                  heartbeat_s: float = 0.5, in_flight_grace_s: float = 35.0,
-                 secret: bytes = b""):
+                 secret: bytes = b"", checksums: bool = False):
         self.pool = pool
         self.layout = pool.layout
         self.backend = backend
@@ -95,6 +98,7 @@ class DecodeNode:
         self.heartbeat_s = heartbeat_s
         self.in_flight_grace_s = in_flight_grace_s
         self.secret = secret
+        self.checksums = checksums  # verify every chunk's pages (may change between requests)
         self.counters = Counters()
         self._lock = threading.RLock()
         self._receivers: dict[int, KVReceiver] = {}
@@ -114,6 +118,7 @@ class DecodeNode:
             raise
         for peer in self.peers:
             self._loop.add_socket(peer.socket)
+        self._verifier = ChunkVerifier(pool, self.name, self._on_verified)
         self._loop.start()
 
     # ---- application API -------------------------------------------------------------------
@@ -134,11 +139,18 @@ class DecodeNode:
         with self._lock:
             self._receivers.pop(receiver.room, None)
 
+    def held_pages(self) -> int:
+        """Pages of failed requests that may not go back to the allocator yet (invariant 8)."""
+        with self._lock:
+            return sum(r.page_ids.size for r in self._receivers.values()
+                       if r.page_ids is not None and r.poll() == KVPoll.Failed and not r.can_release())
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._loop.stop()
+        self._verifier.close()
         self._context.destroy(0)
         self.backend.close()
 
@@ -229,7 +241,7 @@ class DecodeNode:
     def _fail(self, receiver: KVReceiver, reason: str, *,
               release_after_s: float | None = 0.0) -> bool:
         if receiver.state.fail(reason, release_after_s=release_after_s):
-            self.counters.add(requests_failed=1)
+            self.counters.request_failed(reason)
             log.warning("%s: room %d failed: %s", self.name, receiver.room, reason)
             return True
         return False
@@ -265,8 +277,32 @@ class DecodeNode:
         self.counters.add(chunks=1, bytes=done.nbytes, descriptors=done.descriptors,
                           write_seconds=done.write_seconds)
         receiver.state.advance(KVPoll.Transferring)
-        if done.last and receiver.state.advance(KVPoll.Success):
-            self.counters.add(requests_ok=1)
+        if self.checksums:  # Success once the verifier has checked every chunk
+            self._verifier.submit(receiver, done)
+        elif done.last and receiver.state.advance(KVPoll.Success):
+            self._succeeded(receiver)
+
+    def _succeeded(self, receiver: KVReceiver) -> None:
+        self.counters.request_ok(receiver.state.finished_at - receiver.started_at)
+
+    def _on_verified(self, receiver: KVReceiver, done: protocol.ChunkDone, problem: str,
+                     verified: int, seconds: float) -> None:
+        """The verifier's outcome for one chunk (verifier thread)."""
+        with self._lock:
+            self.counters.add(checksums_verified=verified, checksum_seconds=seconds)
+            receiver.checksums_verified += verified
+            if not problem and done.last:
+                try:
+                    checksum.check_coverage(receiver.checksums_verified, receiver.page_ids.size,
+                                            len(self._verifier.views))
+                except checksum.ChecksumError as exc:
+                    problem = str(exc)
+            if problem:  # later chunks may still be written: held until prefill confirms ...
+                self._abort(receiver, problem)
+                if done.last:  # ... unless this was the last one
+                    receiver.state.allow_release()
+            elif done.last and receiver.state.advance(KVPoll.Success):
+                self._succeeded(receiver)
 
     def _on_tick(self, now: float) -> None:
         self.backend.progress()

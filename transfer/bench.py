@@ -7,7 +7,9 @@ that same run (medians of ``repeat`` interleaved runs; see ``bench_measure`` for
   ``receiver.init`` to Success: control plane, planning, engine, completion;
 - **raw engine**: the node's own engine writing the same byte ranges from pre-built descriptors
   in one ``backend.write`` call (``ratio_vs_raw`` = raw seconds / end-to-end seconds);
-- **memcpy**: one in-process ``memmove`` of the same number of bytes (the machine's limit).
+- **memcpy**: one in-process ``memmove`` of the same number of bytes (the machine's limit);
+- **checksums**: end-to-end again with page checksums on both nodes; ``checksum_share`` = the
+  seconds both nodes spent computing checksums / that run's end-to-end seconds.
 
 Sweeps, per backend: request length (DeepSeek-V3.2 with all 61 layers as far as memory allows,
 then cut to a few layers up to 128K tokens), layers (GLM-5.2 cut to N layers), page patterns
@@ -39,7 +41,7 @@ from dsa_bridge.transfer.backends import BACKENDS
 
 REPORT_VERSION = 1
 LONG_REQUEST_TOKENS = 8192  # the ratio_vs_raw target holds from this request length on
-TARGETS = {"ratio_vs_raw": 0.9, "plan_share": 0.02, "pool_vs_memcpy": 0.5}
+TARGETS = {"ratio_vs_raw": 0.9, "plan_share": 0.02, "pool_vs_memcpy": 0.5, "checksum_share": 0.1}
 ENGINE_PACKAGES = ("mooncake-transfer-engine-non-cuda", "nixl-cu12")
 QUIET_ENV = {"MC_LOG_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "ERROR", "UCX_LOG_LEVEL": "error"}
 
@@ -125,11 +127,13 @@ def summarize(transfers: list[dict], plan_share: dict, pool_rows: list[dict],
     lengths = [r for r in transfers if r["sweep"] in ("length", "length_long")]
     # a run without requests that long (--tiny) takes its longest ones
     from_tokens = min(LONG_REQUEST_TOKENS, max(r["tokens"] for r in lengths))
-    ratio, lowest = {}, {}
+    ratio, lowest, share, share_highest = {}, {}, {}, {}
     for backend in backends:
-        long = [r["ratio_vs_raw"] for r in lengths
-                if r["backend"] == backend and r["tokens"] >= from_tokens]
-        ratio[backend], lowest[backend] = statistics.median(long), min(long)
+        long = [r for r in lengths if r["backend"] == backend and r["tokens"] >= from_tokens]
+        ratio[backend] = statistics.median(r["ratio_vs_raw"] for r in long)
+        lowest[backend] = min(r["ratio_vs_raw"] for r in long)
+        share[backend] = statistics.median(r["checksum_share"] for r in long)
+        share_highest[backend] = max(r["checksum_share"] for r in long)
     bulk_rows = [r for r in pool_rows if r["pattern"] != "scattered"]
     bulk, bulk_lowest = {}, {}
     for op in dict.fromkeys(r["op"] for r in pool_rows):
@@ -141,6 +145,8 @@ def summarize(transfers: list[dict], plan_share: dict, pool_rows: list[dict],
         "ratio_vs_raw_lowest": lowest,
         "ratio_vs_raw_from_tokens": from_tokens,
         "plan_share": plan_share,
+        "checksum_share": share,
+        "checksum_share_highest": share_highest,
         "pool_vs_memcpy": bulk,
         "pool_vs_memcpy_lowest": bulk_lowest,
         "get_cpu_copy_vs_fresh_memcpy": statistics.median(fresh),
@@ -148,6 +154,7 @@ def summarize(transfers: list[dict], plan_share: dict, pool_rows: list[dict],
         "targets_met": {
             "ratio_vs_raw": {b: v >= TARGETS["ratio_vs_raw"] for b, v in ratio.items()},
             "plan_share": {b: v <= TARGETS["plan_share"] for b, v in plan_share.items()},
+            "checksum_share": {b: v <= TARGETS["checksum_share"] for b, v in share.items()},
             "descriptors_exact": all(r["descriptors_exact"] for r in transfers),
             "pool_vs_memcpy": {op: v >= TARGETS["pool_vs_memcpy"] for op, v in bulk.items()},
         },
@@ -182,13 +189,14 @@ def print_tables(report: dict) -> None:
           f"{report['seconds']:.0f} s, load average {load['start'][0]:.1f} -> {load['end'][0]:.1f})")
     print(f"{'backend':8} {'sweep':11} {'model':13} {'L':>2} {'ix':>2} {'tokens':>6} {'req':>3} "
           f"{'pattern':10} {'MB':>6} {'desc':>6} {'e2e GB/s':>8} {'raw':>5} {'memcpy':>6} "
-          f"{'e2e/raw':>7} {'+ms':>5} {'plan%':>5}")
+          f"{'e2e/raw':>7} {'+ms':>5} {'plan%':>5} {'sums GB/s':>9} {'sum%':>5}")
     for r in report["transfer"]:
         print(f"{r['backend']:8} {r['sweep']:11} {r['model']:13} {r['layers']:>2} "
               f"{r['buffers'] - r['layers']:>2} {r['tokens']:>6} "
               f"{r['requests']:>3} {r['pattern']:10} {r['bytes'] / 1e6:>6.0f} {r['descriptors']:>6} "
               f"{r['e2e_gbps']:>8.2f} {r['raw_gbps']:>5.2f} {r['memcpy_gbps']:>6.1f} "
-              f"{r['ratio_vs_raw']:>7.2f} {r['overhead_ms']:>5.1f} {100 * r['plan_share']:>5.2f}")
+              f"{r['ratio_vs_raw']:>7.2f} {r['overhead_ms']:>5.1f} {100 * r['plan_share']:>5.2f} "
+              f"{r['e2e_checksums_gbps']:>9.2f} {100 * r['checksum_share']:>5.1f}")
     print(f"\n{'plan: tokens':>12} {'pattern':10} {'descriptors':>11} {'us':>9}  share of transfer")
     for r in report["plan"]:
         shares = ", ".join(f"{b} {100 * s:.3f}%" for b, s in r["share"].items())
@@ -205,6 +213,9 @@ def print_tables(report: dict) -> None:
           f"median of the points): {report['ratio_vs_raw']}; lowest point: "
           f"{report['ratio_vs_raw_lowest']}")
     print(f"plan_share (longest request, largest): {report['plan_share']}")
+    print(f"checksum_share (time both nodes spent checksumming / end-to-end time of the same "
+          f"checksummed run, the ratio_vs_raw points, median): {report['checksum_share']}; "
+          f"highest: {report['checksum_share_highest']}")
     print(f"pool_vs_memcpy (bulk patterns, median): {report['pool_vs_memcpy']}; lowest: "
           f"{report['pool_vs_memcpy_lowest']}")
     print(f"get_cpu_copy against a memmove into fresh memory (bulk, median): "

@@ -12,7 +12,10 @@ over a private ZMQ PAIR socket; every command (a msgpack map) gets one answer:
   (``connect`` of a peer the engine already knows returns the same handle).
 - ``send``: create a sender per room (``init`` + one ``send`` of all its pages), as a prefill
   that has finished computing does; each chunk waits for decode's page ids, then goes straight
-  to the node's writer thread.
+  to the node's writer thread. ``checksums`` switches the node's page checksums on or off for
+  these requests; the answer carries the node's checksum seconds so far.
+- ``stats``: the node's checksum seconds so far (after the requests: their difference is what
+  prefill spent checksumming them).
 - ``raw``: plan the given (src, dst) page lists with ``plan_writes`` (timed on its own), join the
   plans and time one ``backend.write`` of all of them: pre-built descriptors, one batch.
 - ``teardown`` (close the node) and ``quit``.
@@ -20,7 +23,10 @@ over a private ZMQ PAIR socket; every command (a msgpack map) gets one answer:
 End-to-end time is taken in the bench process from the first ``receiver.init`` to the moment the
 last request turned Success (its last ChunkDone handled): control plane both ways, planning, the
 engine and the completion report. The child's stdout (where NIXL and UCX log) goes to stderr.
-End-to-end, raw and memcpy runs are interleaved, their order alternating between repeats.
+End-to-end, end-to-end with checksums (both nodes), raw and memcpy runs are interleaved, their
+order alternating between repeats. ``checksum_share`` is the time both nodes spent computing page
+checksums during a checksummed run (prefill before each write, decode's verifier after each
+chunk) over that same run's end-to-end time.
 
 Planning is timed on hand-built buffers (the planner only does address math, so a 128K-token
 request needs no memory); the pool operations on a real DeepSeek-V3.2 pool, against one memmove
@@ -166,12 +172,17 @@ class _PrefillServer:
         self.peer = self.node.backend.connect(metadata)
         return {}
 
-    def send(self, requests: list) -> dict:
+    def send(self, requests: list, checksums: bool = False) -> dict:
+        self.node.checksums = checksums
+        stats = self.stats()
         for room, pages in requests:
             sender = self.node.sender(room)
             sender.init(len(pages))
             sender.send(np.asarray(pages, dtype=np.int64))
-        return {}
+        return stats
+
+    def stats(self) -> dict:
+        return {"checksum_seconds": self.node.counters.snapshot()["checksum_seconds"]}
 
     def raw(self, requests: list) -> dict:
         pages = [(np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)) for s, d in requests]
@@ -201,7 +212,7 @@ class _PrefillServer:
 
 def serve(control: str) -> int:
     """The child's command loop; it ends on ``quit``, when its parent is gone, or when idle."""
-    commands = {"setup": "setup", "peer": "set_peer", "send": "send", "raw": "raw",
+    commands = {"setup": "setup", "peer": "set_peer", "send": "send", "stats": "stats", "raw": "raw",
                 "teardown": "teardown"}
     server = _PrefillServer()
     parent = os.getppid()
@@ -300,6 +311,7 @@ class Transfer:
     seconds: float
     nbytes: int
     descriptors: int
+    checksum_seconds: float  # both nodes, computing page checksums (0 without them)
 
 
 class TransferSession:
@@ -321,12 +333,16 @@ class TransferSession:
             self.close()
             raise
 
-    def end_to_end(self, requests: list[tuple[np.ndarray, np.ndarray]]) -> Transfer:
+    def end_to_end(self, requests: list[tuple[np.ndarray, np.ndarray]], *,
+                   checksums: bool = False) -> Transfer:
         """Move every request through the nodes at once; time first init -> last Success."""
         rooms = range(self._room, self._room + len(requests))
         self._room += len(requests)
-        self.child.call("send", requests=[[room, src.tolist()]
-                                          for room, (src, _) in zip(rooms, requests, strict=True)])
+        self.node.checksums = checksums
+        decode_before = self.node.counters.snapshot()["checksum_seconds"]
+        prefill_before = self.child.call(
+            "send", requests=[[room, src.tolist()] for room, (src, _) in zip(rooms, requests, strict=True)],
+            checksums=checksums)["checksum_seconds"]
         receivers: list[KVReceiver] = []
         for room, (_, dst) in zip(rooms, requests, strict=True):
             receiver = self.node.receiver(room)
@@ -342,11 +358,14 @@ class TransferSession:
         failed = [r for r in receivers if r.poll() == KVPoll.Failed]
         if failed:
             raise RuntimeError(f"transfer failed: {failed[0].failure_exception()}")
+        prefill_spent = self.child.call("stats")["checksum_seconds"] - prefill_before
         result = Transfer(
             seconds=max(r.state.finished_at for r in receivers)
             - min(r.started_at for r in receivers),
             nbytes=sum(r.nbytes for r in receivers),
-            descriptors=sum(r.descriptors for r in receivers))
+            descriptors=sum(r.descriptors for r in receivers),
+            checksum_seconds=prefill_spent + self.node.counters.snapshot()["checksum_seconds"]
+            - decode_before)
         for receiver in receivers:
             self.node.forget(receiver)
         return result
@@ -412,19 +431,25 @@ class Memcpy:
 
 
 def measure(session: TransferSession, memcpy: Memcpy, requests: list, repeat: int) -> dict:
-    """End-to-end, raw engine and memcpy on the same requests, interleaved: medians of each, and
-    ``ratio_vs_raw`` (and ``overhead_ms``, what dsa-bridge adds to a request) as the median of the
-    ratios (differences) of back-to-back pairs, which a drift of the machine's load affects least;
-    every sample is kept."""
+    """End-to-end, end-to-end with checksums, raw engine and memcpy on the same requests,
+    interleaved: medians of each, and ``ratio_vs_raw`` (and ``overhead_ms``, what dsa-bridge adds
+    to a request) as the median of the ratios (differences) of back-to-back pairs, which a drift
+    of the machine's load affects least; ``checksum_share`` as the median over the checksummed
+    runs of each one's checksum seconds over its own end-to-end seconds; every sample is kept."""
     layers, buffers = session.geometry.layers, session.geometry.buffers
     expected = sum(runs(src, dst) for src, dst in requests) * buffers
     session.end_to_end(requests)  # warm-up: the engine's paths, caches, the planner
-    e2e, raw, copy, plan = [], [], [], []
+    session.end_to_end(requests, checksums=True)
+    e2e, raw, copy, plan, summed, shares = [], [], [], [], [], []
     for i in range(repeat):
-        for kind in ("e2e", "raw") if i % 2 == 0 else ("raw", "e2e"):
+        for kind in ("e2e", "sums", "raw") if i % 2 == 0 else ("raw", "sums", "e2e"):
             if kind == "e2e":
                 transfer = session.end_to_end(requests)
                 e2e.append(transfer.seconds)
+            elif kind == "sums":
+                checked = session.end_to_end(requests, checksums=True)
+                summed.append(checked.seconds)
+                shares.append(checked.checksum_seconds / checked.seconds)
             else:
                 reply = session.raw(requests)
                 raw.append(reply["seconds"])
@@ -448,6 +473,10 @@ def measure(session: TransferSession, memcpy: Memcpy, requests: list, repeat: in
         "overhead_ms": 1e3 * statistics.median(e - r for r, e in zip(raw, e2e, strict=True)),
         "ratio_vs_memcpy": copy_s / e2e_s, "raw_vs_memcpy": copy_s / raw_s,
         "plan_share": plan_s / e2e_s, "e2e_samples_s": e2e, "raw_samples_s": raw,
+        "e2e_checksums_s": statistics.median(summed),
+        "e2e_checksums_gbps": gbps(nbytes, statistics.median(summed)),
+        "checksum_share": statistics.median(shares), "e2e_checksums_samples_s": summed,
+        "checksum_share_samples": shares,
     }
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from dsa_bridge.transfer.auth import load_secret
 from dsa_bridge.transfer.bench import add_bench_parser, run_bench
 from dsa_bridge.transfer.demo import run_demo
+from dsa_bridge.transfer.metrics import metrics_port
 from dsa_bridge.transfer.summary import print_summary, write_json_atomic
 
 DEFAULT_POOL_TOKENS = 65536
@@ -53,6 +54,16 @@ def add_node_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=60.0)
     parser.add_argument("--secret-file", help="shared secret (first line) that peers must prove; "
                                               "default: $DSA_BRIDGE_SECRET")
+    parser.add_argument("--checksums", action=argparse.BooleanOptionalAction, default=False,
+                        help="end-to-end page checksums: prefill sends one per page of every "
+                             "buffer, decode verifies them before a request succeeds")
+
+
+def add_metrics_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metrics-port", type=metrics_port, default=0,
+                        help="serve Prometheus metrics on this port (default 0: off)")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="address the metrics endpoint binds (default 127.0.0.1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="first layer this node holds (a pipeline stage; default 0)")
     prefill.add_argument("--end-layer", type=int,
                          help="one past the last layer this node holds (default: all)")
+    add_metrics_options(prefill)
 
     decode = sub.add_parser("decode", help="run verified requests against a prefill node")
     add_node_options(decode)
@@ -90,11 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
                                               "(default: the local address routed to prefill)")
     add_run_options(decode)
     decode.add_argument("--summary-file", help="write the JSON summary here instead of printing")
+    add_metrics_options(decode)
 
     demo = sub.add_parser("demo", help="a real prefill and decode process on this machine")
     add_node_options(demo)
     add_run_options(demo)
     demo.add_argument("--timeout", type=float, default=900.0, help="whole-run deadline, seconds")
+    demo.set_defaults(checksums=True)  # --no-checksums to turn them off
 
     add_bench_parser(sub)
     return parser
@@ -158,6 +172,7 @@ def stop_on_signals() -> threading.Event:
 
 
 def cmd_prefill(args) -> int:
+    from dsa_bridge.transfer import metrics
     from dsa_bridge.transfer.backends import create_backend, faulty
     from dsa_bridge.transfer.control import parse_endpoint
     from dsa_bridge.transfer.prefill import PrefillNode
@@ -169,8 +184,11 @@ def cmd_prefill(args) -> int:
     backend = faulty.wrap_from_env(create_backend(args.backend, host=host))  # test-only hook
     node = PrefillNode(pool, backend, listen=args.listen,
                        request_timeout_s=args.request_timeout, peer_timeout_s=args.peer_timeout,
-                       secret=load_secret(args.secret_file), allow_insecure=args.insecure)
+                       secret=load_secret(args.secret_file), allow_insecure=args.insecure,
+                       checksums=args.checksums)
+    exporter = None
     try:
+        exporter = metrics.serve(node, "prefill", args.metrics_host, args.metrics_port)
         if args.ready_file:
             write_json_atomic(args.ready_file, {"endpoint": node.endpoint, "pid": os.getpid(),
                                                 "transport": node.backend.transport()})
@@ -179,12 +197,15 @@ def cmd_prefill(args) -> int:
         serve_prefill(node, stop, chunk_pages=args.chunk_pages)
     finally:
         print(f"[prefill] counters: {node.counters.snapshot()}", file=sys.stderr, flush=True)
+        if exporter is not None:
+            exporter.close()
         node.close()
     return 0
 
 
 def cmd_decode(args) -> int:
     from dsa_bridge.plugin import DSATokenToKVPool, index_layer_ids_for
+    from dsa_bridge.transfer import metrics
     from dsa_bridge.transfer.backends import create_backend
     from dsa_bridge.transfer.control import parse_endpoint
     from dsa_bridge.transfer.decode import DecodeNode
@@ -200,7 +221,9 @@ def cmd_decode(args) -> int:
     engine_host = args.engine_host or local_address_for(prefill_host)
     with DecodeNode(pool, create_backend(args.backend, host=engine_host), endpoints,
                     request_timeout_s=args.request_timeout, peer_timeout_s=args.peer_timeout,
-                    secret=load_secret(args.secret_file), index_reads=reads) as node:
+                    secret=load_secret(args.secret_file), index_reads=reads,
+                    checksums=args.checksums) as node, \
+            metrics.serving(node, "decode", args.metrics_host, args.metrics_port):
         lengths = request_lengths(args.requests, pool.page_size,
                                   min(args.max_tokens, args.pool_tokens), args.seed)
         # room ids are global on a prefill node (as SGLang's bootstrap rooms): random, so that
@@ -219,6 +242,8 @@ def cmd_decode(args) -> int:
             "transport": node.backend.transport(), "model": args.model,
             "kv_dtype": pool.layout.kv_dtype, "page_size": pool.page_size,
             "concurrency": args.concurrency, "failures": report.failures[:20],
+            "checksums": args.checksums,
+            "checksums_verified": node.counters.snapshot()["checksums_verified"],
             "counters": node.counters.snapshot(), "ok": report.ok,
         }
     if args.summary_file:

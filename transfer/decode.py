@@ -6,8 +6,9 @@ HandshakeError before anything else happens). A ``KVReceiver`` per request sends
 allocated to the prefill node that holds all its layers, or to the pipeline stages that together
 hold each layer once, and follows the request to Success — every stage's part arrived, exactly
 once — or to Failed with a reason: a prefill failure, an abort, a missed deadline, or a prefill
-that stopped answering. Pages of a failed request are held back until no write into them can
-still land.
+that stopped answering. With ``checksums`` on, a stage's part counts as arrived only once the
+verifier thread has checked each of its pages in each of its buffers against the checksums
+prefill sent. Pages of a failed request are held back until no write into them can still land.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import zmq
 
 from dsa_bridge.plugin.layout import DSALayout
-from dsa_bridge.transfer import auth, protocol
+from dsa_bridge.transfer import auth, checksum, protocol
 from dsa_bridge.transfer.backends.base import MemoryRegion, TransferBackend
 from dsa_bridge.transfer.control import ControlLoop, parse_endpoint, zmq_address
 from dsa_bridge.transfer.counters import Counters
@@ -40,6 +41,7 @@ from dsa_bridge.transfer.handshake import (
 )
 from dsa_bridge.transfer.plan import PlanError, as_page_ids, check_pages
 from dsa_bridge.transfer.request import TERMINAL, KVPoll, RequestState
+from dsa_bridge.transfer.verify import ChunkVerifier
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +76,10 @@ class KVReceiver:
         self.nbytes = 0
         self.descriptors = 0
         self.write_seconds = 0.0
+        self.checksums_verified = 0
         self.started_at: float | None = None
         self.received = {p.endpoint: 0 for p in peers}  # bytes each prefill reported written
+        self.verified = {p.endpoint: 0 for p in peers}  # (buffer, page) checksums verified
         self.finished: set[str] = set()  # prefills whose last chunk arrived
         self.outstanding = {p.endpoint for p in peers}  # prefills that may still write
         self.in_flight = False  # a prefill reported a failed write whose bytes may still land
@@ -111,7 +115,8 @@ class DecodeNode:
                  name: str | None = None, handshake_timeout_s: float = 10.0,
                  request_timeout_s: float = 60.0, peer_timeout_s: float = 5.0,
                  heartbeat_s: float = 0.5, in_flight_grace_s: float = 35.0,
-                 secret: bytes = b"", index_reads: Iterable[int] | None = None):
+                 secret: bytes = b"", index_reads: Iterable[int] | None = None,
+                 checksums: bool = False):
         self.pool = pool
         self.layout = pool.layout
         self.index_reads = check_index_reads(self.layout, index_reads)
@@ -122,6 +127,7 @@ class DecodeNode:
         self.heartbeat_s = heartbeat_s
         self.in_flight_grace_s = in_flight_grace_s
         self.secret = secret
+        self.checksums = checksums  # verify every chunk's pages (may change between requests)
         self.counters = Counters()
         self._lock = threading.RLock()
         self._receivers: dict[int, KVReceiver] = {}
@@ -146,6 +152,7 @@ class DecodeNode:
             raise
         for peer in self.peers:
             self._loop.add_socket(peer.socket)
+        self._verifier = ChunkVerifier(pool, self.name, self._on_verified)
         self._loop.start()
 
     # ---- application API -------------------------------------------------------------------
@@ -169,11 +176,18 @@ class DecodeNode:
         with self._lock:
             self._receivers.pop(receiver.room, None)
 
+    def held_pages(self) -> int:
+        """Pages of failed requests that may not go back to the allocator yet (invariant 8)."""
+        with self._lock:
+            return sum(r.page_ids.size for r in self._receivers.values()
+                       if r.page_ids is not None and r.poll() == KVPoll.Failed and not r.can_release())
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._loop.stop()
+        self._verifier.close()
         self._context.destroy(0)
         self.backend.close()
 
@@ -281,7 +295,7 @@ class DecodeNode:
     def _fail(self, receiver: KVReceiver, reason: str, *,
               release_after_s: float | None = 0.0) -> bool:
         if receiver.state.fail(reason, release_after_s=release_after_s):
-            self.counters.add(requests_failed=1)
+            self.counters.request_failed(reason)
             log.warning("%s: room %d failed: %s", self.name, receiver.room, reason)
             return True
         return False
@@ -337,7 +351,9 @@ class DecodeNode:
         self.counters.add(chunks=1, bytes=done.nbytes, descriptors=done.descriptors,
                           write_seconds=done.write_seconds)
         receiver.state.advance(KVPoll.Transferring)
-        if done.last:
+        if self.checksums:  # the part counts once the verifier has checked every chunk
+            self._verifier.submit(receiver, done, peer)
+        elif done.last:
             self._on_part_done(receiver, peer)
 
     def _on_part_done(self, receiver: KVReceiver, peer: PrefillPeer) -> None:
@@ -353,7 +369,25 @@ class DecodeNode:
                                       f"{receiver.page_ids.size} pages)")
             return
         if len(receiver.finished) == len(receiver.peers) and receiver.state.advance(KVPoll.Success):
-            self.counters.add(requests_ok=1)
+            self.counters.request_ok(receiver.state.finished_at - receiver.started_at)
+
+    def _on_verified(self, receiver: KVReceiver, done: protocol.ChunkDone, peer: PrefillPeer,
+                     problem: str, verified: int, seconds: float) -> None:
+        """The verifier's outcome for one chunk of ``peer`` (verifier thread)."""
+        with self._lock:
+            self.counters.add(checksums_verified=verified, checksum_seconds=seconds)
+            receiver.checksums_verified += verified
+            receiver.verified[peer.endpoint] += verified
+            if not problem and done.last:
+                try:
+                    checksum.check_coverage(receiver.verified[peer.endpoint],
+                                            receiver.page_ids.size, len(peer.keys))
+                except checksum.ChecksumError as exc:
+                    problem = str(exc)
+            if problem:  # later chunks may still be written: held until every prefill confirms
+                self._fail_sent(receiver, problem)
+            elif done.last and receiver.state.status not in TERMINAL:
+                self._on_part_done(receiver, peer)
 
     def _on_tick(self, now: float) -> None:
         self.backend.progress()

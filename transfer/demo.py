@@ -27,6 +27,8 @@ def node_arguments(args) -> list[str]:
         arguments += ["--kv-dtype", args.kv_dtype]
     if args.secret_file:
         arguments += ["--secret-file", args.secret_file]
+    if args.checksums:
+        arguments.append("--checksums")
     return arguments
 
 

@@ -5,8 +5,9 @@ pairs the buffers it writes into that node (``handshake.transfer_set``: the laye
 indexers decode holds and reads) with the ones that node announced. A ``KVSender`` per request
 (room) takes the prefill's page ids, in one or more chunks; once decode has sent its page ids for
 the room, a worker thread plans each chunk (every paired buffer, coalesced and bounds-checked)
-and writes it through the engine, then reports the chunk to decode. Rooms that decode announced but that
-have no sender yet are offered to the application on ``incoming``.
+and writes it through the engine, then reports the chunk to decode (with its page checksums when
+``checksums`` is on). Rooms that decode announced but that have no sender yet are offered to the
+application on ``incoming``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from dsa_bridge.transfer import auth, protocol
+from dsa_bridge.transfer import auth, checksum, protocol
 from dsa_bridge.transfer.backends.base import BackendError, MemoryRegion, TransferBackend
 from dsa_bridge.transfer.control import ControlLoop, parse_endpoint, zmq_address
 from dsa_bridge.transfer.counters import Counters
@@ -121,7 +122,7 @@ class PrefillNode:
                  name: str = "prefill", request_timeout_s: float = 60.0,
                  peer_timeout_s: float = 5.0, heartbeat_s: float = 0.5,
                  write_timeout_s: float = 30.0, secret: bytes = b"",
-                 allow_insecure: bool = False):
+                 allow_insecure: bool = False, checksums: bool = False):
         host, port = parse_endpoint(listen, "listen")
         if not secret and not allow_insecure and not auth.is_loopback(host):
             raise auth.AuthError(
@@ -136,6 +137,8 @@ class PrefillNode:
         self.heartbeat_s = heartbeat_s
         self.write_timeout_s = write_timeout_s
         self.secret = secret
+        self.checksums = checksums  # send each chunk's page checksums (may change between requests)
+        self._views: dict | None = None  # the pool's page views, made when checksums first run
         self._replays = auth.ReplayGuard()
         self.counters = Counters()
         self.refusals: list[str] = []
@@ -253,7 +256,7 @@ class PrefillNode:
     def _fail(self, sender: KVSender, reason: str, *, in_flight: bool = False) -> None:
         with self._lock:
             if sender.state.fail(reason):
-                self.counters.add(requests_failed=1)
+                self.counters.request_failed(reason)
                 log.warning("%s: room %d failed: %s", self.name, sender.room, reason)
             self._report_failure(sender, in_flight=in_flight)
 
@@ -281,12 +284,16 @@ class PrefillNode:
                     continue
                 dst = room.dst_pages[offset:offset + pages.size]
                 plan = plan_writes(room.peer.pairs, pages, dst)
+                sums = self._checksums(pages, offset, room.peer.pairs) if self.checksums else None
                 started = time.perf_counter()
                 self.backend.write(room.peer.engine_peer, plan.src, plan.dst, plan.length,
                                    timeout_s=self.write_timeout_s)
                 seconds = time.perf_counter() - started
             except PlanError as exc:
                 self._fail(sender, f"bad pages: {exc}")
+                continue
+            except checksum.ChecksumError as exc:
+                self._fail(sender, str(exc))
                 continue
             except BackendError as exc:
                 self.counters.add(engine_failures=1)
@@ -303,10 +310,20 @@ class PrefillNode:
                     sender.busy -= 1
                     if sender.state.status == KVPoll.Failed:
                         self._report_failure(sender, in_flight=in_flight)
-            self._chunk_written(sender, room, plan, last, seconds)
+            self._chunk_written(sender, room, plan, last, seconds, sums)
+
+    def _checksums(self, pages: np.ndarray, offset: int, pairs: list[BufferPair]) -> protocol.PageChecksums:
+        started = time.perf_counter()
+        if self._views is None:
+            self._views = checksum.pool_views(self.pool)
+        sums = checksum.chunk_checksums(self._views, [(p.src.layer_id, p.src.kind) for p in pairs],
+                                        pages, offset, checksum.algorithm_for(self.pool.device))
+        self.counters.add(checksums_computed=pages.size * len(pairs),
+                          checksum_seconds=time.perf_counter() - started)
+        return sums
 
     def _chunk_written(self, sender: KVSender, room: _Room, plan, last: bool,
-                       seconds: float) -> None:
+                       seconds: float, sums: protocol.PageChecksums | None) -> None:
         with self._lock:
             self.counters.add(chunks=1, bytes=plan.nbytes, descriptors=plan.descriptors,
                               write_seconds=seconds)
@@ -315,9 +332,11 @@ class PrefillNode:
                 return
             self._loop.send(self._socket, protocol.ChunkDone(
                 sender.room, sender.chunks_sent - 1, ok=True, last=last, nbytes=plan.nbytes,
-                descriptors=plan.descriptors, write_seconds=seconds), room.peer.identity)
+                descriptors=plan.descriptors, write_seconds=seconds, checksums=sums),
+                room.peer.identity)
             if last and sender.state.advance(KVPoll.Success):
-                self.counters.add(requests_ok=1)
+                state = sender.state
+                self.counters.request_ok(state.finished_at - (state.transferring_at or state.created))
 
     # ---- control plane (loop thread) -------------------------------------------------------
 
@@ -457,7 +476,7 @@ class PrefillNode:
             if sender is None:  # offered on ``incoming``: a sender made later fails at once
                 self._gone[room] = (reason, time.monotonic())
             elif sender.state.fail(reason):
-                self.counters.add(requests_failed=1)
+                self.counters.request_failed(reason)
             self._rooms.pop(room, None)
 
     def _on_tick(self, now: float) -> None:

@@ -2,9 +2,10 @@
 
 Decode connects to prefill and opens with ``Hello`` (its layout, the layout hash, its engine
 metadata, the buffers it registered and the indexer layers its attention reads); prefill answers
-``HelloAck`` with its own layout. Then per request decode
-sends ``RequestPages`` and prefill answers with one ``ChunkDone`` per chunk it wrote. Either side
-may send ``Abort``; both send ``Heartbeat``. Data never travels here, only page ids and states.
+``HelloAck`` with its own layout. Then per request decode sends ``RequestPages`` and prefill
+answers with one ``ChunkDone`` per chunk it wrote (with the chunk's page checksums when prefill
+runs with them). Either side may send ``Abort``; both send ``Heartbeat``. Data never travels
+here, only page ids, checksums and states.
 """
 
 from __future__ import annotations
@@ -61,9 +62,23 @@ class RequestPages(msgspec.Struct, frozen=True, tag="request"):
     num_tokens: int
 
 
+class PageChecksums(msgspec.Struct, frozen=True, array_like=True):
+    """One 64-bit checksum per (buffer, page) of a chunk (``checksum.py``): ``values`` holds
+    little-endian uint64, buffer-major, buffers in the order of ``buffers`` ((layer id, kind)),
+    pages in the chunk's order. The chunk covers decode's pages at ``[offset, offset + n)`` of
+    the request."""
+
+    algorithm: str
+    offset: int
+    buffers: list[tuple[int, str]]
+    values: bytes
+
+
 class ChunkDone(msgspec.Struct, frozen=True, tag="chunk_done"):
     """Prefill finished (ok) or gave up on (not ok) a chunk; ``in_flight`` says whether a write
-    into decode's pages may still land (engine failure or timeout) so decode must not reuse them yet."""
+    into decode's pages may still land (engine failure or timeout) so decode must not reuse them yet.
+    ``checksums`` (optional, so older peers still decode the message) come with an ok chunk from a
+    prefill node that computes them."""
 
     room: int
     chunk: int
@@ -74,6 +89,7 @@ class ChunkDone(msgspec.Struct, frozen=True, tag="chunk_done"):
     descriptors: int = 0
     write_seconds: float = 0.0
     in_flight: bool = False
+    checksums: PageChecksums | None = None
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):

@@ -35,6 +35,7 @@ class RequestState:
         self._status = KVPoll.Bootstrapping
         self._reason = ""
         self._release_at: float | None = None
+        self.transferring_at: float | None = None
         self.finished_at: float | None = None
         self._lock = threading.Lock()
 
@@ -52,6 +53,8 @@ class RequestState:
             if self._status in TERMINAL or status <= self._status or status == KVPoll.Failed:
                 return False
             self._status = status
+            if status == KVPoll.Transferring:
+                self.transferring_at = time.monotonic()
             if status == KVPoll.Success:
                 self._release_at = self.finished_at = time.monotonic()
             return True

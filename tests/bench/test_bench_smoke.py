@@ -21,7 +21,7 @@ TIMEOUT_S = 120
 
 ROW_FIGURES = ("bytes", "descriptors", "e2e_s", "raw_s", "memcpy_s", "plan_s", "e2e_gbps",
                "raw_gbps", "memcpy_gbps", "ratio_vs_raw", "ratio_vs_memcpy", "raw_vs_memcpy",
-               "plan_share")
+               "plan_share", "e2e_checksums_s", "e2e_checksums_gbps", "checksum_share")
 
 
 def test_tiny_bench_reports_every_figure(tmp_path):
@@ -36,7 +36,8 @@ def test_tiny_bench_reports_every_figure(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)  # fails if anything but the report reached stdout
 
-    for key in ("ratio_vs_raw", "ratio_vs_raw_lowest", "plan_share"):
+    for key in ("ratio_vs_raw", "ratio_vs_raw_lowest", "plan_share", "checksum_share",
+                "checksum_share_highest"):
         assert set(report[key]) == set(backends), key
         assert all(value > 0 for value in report[key].values()), key
     for key in ("pool_vs_memcpy", "pool_vs_memcpy_lowest"):
@@ -59,6 +60,7 @@ def test_tiny_bench_reports_every_figure(tmp_path):
         assert all(row[key] > 0 for key in ROW_FIGURES), row
         assert row["descriptors"] == row["runs"] * row["buffers"]
         assert len(row["e2e_samples_s"]) == len(row["raw_samples_s"]) == report["repeat"]
+        assert len(row["checksum_share_samples"]) == report["repeat"]
     for row in report["plan"]:
         assert row["seconds"] > 0 and row["descriptors"] == row["runs"] * 61 * 2
         assert all(share > 0 for share in row["share"].values())

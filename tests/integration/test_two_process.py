@@ -163,6 +163,8 @@ def test_demo_command_verifies_every_byte(backend):
     assert summary["requests_ok"] == 6 and summary["requests_failed"] == 0
     assert summary["layers"] == 61 and summary["bytes_verified"] > 0
     assert summary["sentinel_intact"] and summary["counters"]["bytes"] == summary["bytes_verified"]
+    pages = summary["bytes_verified"] // ((DEEPSEEK.kv_page_bytes + DEEPSEEK.index_page_bytes) * 61)
+    assert summary["checksums"] and summary["checksums_verified"] == pages * 61 * 2  # on by default
 
 
 def test_both_engines_deliver_identical_bytes(tmp_path):

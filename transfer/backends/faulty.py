@@ -70,6 +70,9 @@ class FaultyBackend:
         if half < len(src):
             self.inner.write(peer, src[half:], dst[half:], length[half:], timeout_s=timeout_s)
 
+    def disconnect(self, peer: str) -> None:
+        self.inner.disconnect(peer)
+
     def progress(self) -> None:
         self.inner.progress()
 

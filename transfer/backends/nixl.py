@@ -212,6 +212,17 @@ class NixlBackend:
             self._peers[peer] = table
         return peer
 
+    def disconnect(self, peer: str) -> None:
+        """Forget ``peer``'s regions and remove its remote agent (UCX closes its endpoints).
+
+        A write to it still polling then ends with a BackendError (NIXL reports the agent as
+        invalidated); its request is released as after any failure. Unknown peers are ignored.
+        """
+        with self._lock:
+            if self._closed or self._peers.pop(peer, None) is None:
+                return
+            self._call("remove_remote_agent", peer, self._agent.remove_remote_agent, peer)
+
     def write(
         self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *, timeout_s: float
     ) -> None:

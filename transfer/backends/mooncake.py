@@ -21,6 +21,8 @@ Facts this module is built on (Mooncake 0.3.13, measured on our machines, see do
   gone, in CLOSE-WAIT, and has no call to drop them: a lane is closed only when the engine next
   tries to use it. ``disconnect`` therefore reads one byte per lane back from the departed peer
   into a private scratch buffer, which closes every dead lane and writes nothing but that buffer.
+- Its two listeners (handshake ``0.0.0.0``, data ``[::]``) bind every interface, and no setting
+  changes that; only their port range can be set (``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``).
 
 Thread safety: the engine is thread-safe for submission and status (it has its own locks); this
 class guards its own bookkeeping with a lock and serialises writes per peer.

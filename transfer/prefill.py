@@ -390,6 +390,8 @@ class PrefillNode:
                 self._drop_peer(old, "decode re-handshaked")
             self._peers[identity] = DecodePeer(identity, hello.node, engine_peer, pairs,
                                                time.monotonic())
+            if old is not None:
+                self._disconnect_engine(old)
         self.counters.add(handshakes_ok=1)
         log.info("%s: paired with %s (%d buffers)", self.name, hello.node, len(pairs))
         self._loop.send(self._socket, self._ack(True, "", hello), identity)
@@ -479,6 +481,16 @@ class PrefillNode:
                 self.counters.request_failed(reason)
             self._rooms.pop(room, None)
 
+    def _disconnect_engine(self, peer: DecodePeer) -> None:
+        """Release the engine's connections to a dropped decode node (Mooncake keeps them open
+        otherwise), unless a paired node still uses the same engine peer."""
+        if any(other.engine_peer == peer.engine_peer for other in self._peers.values()):
+            return
+        try:
+            self.backend.disconnect(peer.engine_peer)
+        except BackendError as exc:
+            log.warning("%s: disconnecting the engine of %s: %s", self.name, peer.node, exc)
+
     def _on_tick(self, now: float) -> None:
         self.backend.progress()
         with self._lock:
@@ -488,6 +500,7 @@ class PrefillNode:
                                 peer.node, now - peer.last_seen)
                     del self._peers[identity]
                     self._drop_peer(peer, f"decode {peer.node} unreachable")
+                    self._disconnect_engine(peer)
             for sender in list(self._senders.values()):
                 if sender.state.status not in TERMINAL and now > sender.state.deadline:
                     self._fail(sender, f"timed out after {self.request_timeout_s:.0f}s")

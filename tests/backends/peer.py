@@ -19,7 +19,9 @@ SENTINEL = 0xA5
 REPLY_TIMEOUT_S = 30.0
 
 
-def serve(conn: Connection, backend: str, nbytes: int, lifetime_s: float, env: dict[str, str]) -> None:
+def serve(
+    conn: Connection, backend: str, nbytes: int, lifetime_s: float, env: dict[str, str], host: str
+) -> None:
     """The child's main: everything it does is bounded by ``lifetime_s``."""
     os.environ.update(env)
     import torch
@@ -28,7 +30,7 @@ def serve(conn: Connection, backend: str, nbytes: int, lifetime_s: float, env: d
     from dsa_bridge.transfer.backends.base import MemoryRegion
 
     try:
-        engine = create_backend(backend)
+        engine = create_backend(backend, host=host)
         buf = torch.full((nbytes,), SENTINEL, dtype=torch.uint8)
         engine.register([MemoryRegion(buf.data_ptr(), nbytes, "cpu")])
     except Exception as exc:
@@ -119,14 +121,20 @@ class Peer:
 
 
 def start_peer(
-    backend: str, nbytes: int, *, lifetime_s: float = 120.0, env: dict[str, str] | None = None
+    backend: str,
+    nbytes: int,
+    *,
+    lifetime_s: float = 120.0,
+    env: dict[str, str] | None = None,
+    host: str = "127.0.0.1",
 ) -> Peer:
-    """Spawn a peer (``env`` added to its environment); wait, bounded, for it to announce itself."""
+    """Spawn a peer (``env`` added to its environment, its engine started for ``host``); wait,
+    bounded, for it to announce itself."""
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     process = context.Process(
         target=serve,
-        args=(child, backend, nbytes, lifetime_s, env or {}),
+        args=(child, backend, nbytes, lifetime_s, env or {}, host),
         name=f"peer-{backend}",
         daemon=True,
     )

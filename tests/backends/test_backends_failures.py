@@ -54,14 +54,9 @@ def test_write_into_a_frozen_peer(local, victim, peer, when: str) -> None:
         one_page(local, victim, handle, timeout_s=1.0)
         return
     assert_times_out_twice(local, victim, handle, timeout_s=1.0)
-    healthy = local.backend.connect(peer.metadata)
-    if local.backend.name == "mooncake" and when == "before any write":
-        # Known engine limit: Mooncake's wrapper holds one engine-wide mutex during a handshake
-        # (up to 60 s), so every peer of this engine waits while a new peer does not answer.
-        with pytest.raises(TransferTimeout):
-            one_page(local, peer, healthy, timeout_s=1.0)
-        victim.signal(signal.SIGCONT)  # let the handshake finish before the next test
-    one_page(local, peer, healthy, timeout_s=10)
+    # The other peers are not held up meanwhile. (Mooncake's own handshake with a frozen peer
+    # would hold an engine-wide lock for 60 s; the backend's probe, which holds none, runs first.)
+    one_page(local, peer, local.backend.connect(peer.metadata), timeout_s=5)
 
 
 def test_nixl_over_ucx_tcp_frozen_peer_times_out(monkeypatch) -> None:

@@ -73,7 +73,8 @@ def test_close_deregisters_everything_once(backend_name: str, caplog) -> None:
     setattr(backend, attr, recorder)
     backend.close()
     dereg = {"mooncake": "unregister_memory", "nixl": "deregister_memory"}[backend_name]
-    assert recorder.calls.count(dereg) == 3
+    scratch = 1 if backend_name == "mooncake" else 0  # the buffer Mooncake's disconnect reads into
+    assert recorder.calls.count(dereg) == 3 + scratch
     calls = len(recorder.calls)
     backend.close()
     assert len(recorder.calls) == calls

@@ -217,9 +217,10 @@ def rogue_request(endpoint: str, engine_session: str, room: int, pages: list[int
 def test_prefill_write_to_a_silent_engine_peer_times_out(silent, ledger):
     """Mooncake: a decode node whose engine session is a port that accepts and never answers.
     The write times out and the request fails with a reason that says its pages may still be
-    written. Mooncake serialises handshakes, so while the silent one holds its 60 s (hard-coded)
-    every write of the engine stalls: the write timeout turns that into failed requests, never a
-    hang, and the node serves again as soon as the silent peer hangs up."""
+    written. Mooncake's own handshake with it would stall every write of the engine for 60 s
+    (hard-coded); the backend's probe runs first and holds nothing, so the good decode node's
+    request meanwhile is expected to succeed (a failure with a reason would still be no hang),
+    and the node serves as well after the silent peer hangs up."""
     stop = threading.Event()
     with PrefillNode(make_pool(), create_backend("mooncake"), write_timeout_s=2.0) as node:
         thread = threading.Thread(target=serve_prefill, args=(node, stop), daemon=True)

@@ -101,12 +101,7 @@ def test_long_soak(backend, procs, ledger, tmp_path):
     soak(backend, procs, ledger, tmp_path, model="deepseek-v3.2", requests=1000, pool_pages=192)
 
 
-MOONCAKE_KEEPS_PEERS = pytest.mark.xfail(
-    strict=True, reason="Mooncake 0.3.13 keeps its 4 TCP connections to a departed peer open "
-                        "(CLOSE-WAIT), and TransferBackend has no call to drop a peer")
-
-
-@pytest.mark.parametrize("backend", [pytest.param("mooncake", marks=MOONCAKE_KEEPS_PEERS), "nixl"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_nodes_coming_and_going_leave_nothing_behind(backend, procs, ledger, tmp_path):
     """Decode nodes restart: after the second one leaves (and is dropped), the prefill holds as
     many descriptors as after the first one left."""

@@ -26,6 +26,7 @@ class FakeBackend:
         self.regions: list[MemoryRegion] = []
         self.fail_every = fail_every
         self.writes = 0
+        self.disconnected: list[str] = []
         self.closed = False
         self._lock = threading.Lock()
         _engines[self.id] = self
@@ -52,6 +53,9 @@ class FakeBackend:
             if not any(r.ptr <= d and d + n <= r.ptr + r.nbytes for r in target.regions):
                 raise BackendError(self.name, "write", "outside registered memory", peer=peer)
             ctypes.memmove(d, s, n)
+
+    def disconnect(self, peer: str) -> None:
+        self.disconnected.append(peer)
 
     def progress(self) -> None:
         pass

@@ -12,10 +12,14 @@ the destination — always before a single call into an engine.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import math
 import os
 import re
+import socket
+import struct
 import threading
+from array import array as byte_array
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,6 +63,35 @@ def rdma_devices(device_filter: str = "") -> list[str]:
         return []
     wanted = {name for name in device_filter.split(",") if name}
     return [name for name in found if not wanted or name in wanted]
+
+
+def rdma_ports() -> list[str]:
+    """Every port of every RDMA device, named as UCX names them: ``mlx5_0:1``."""
+    ports = []
+    for device in rdma_devices():
+        try:
+            ports += [f"{device}:{port}" for port in sorted((_RDMA_SYSFS / device / "ports").iterdir())]
+        except OSError:
+            continue
+    return ports
+
+
+_SIOCGIFCONF = 0x8912
+_IFREQ_BYTES = 40  # struct ifreq on 64-bit Linux: a 16-byte name, then a 24-byte union
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds the IPv4 ``address`` (primary or secondary), or None."""
+    buf = byte_array("B", bytes(_IFREQ_BYTES * 256))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("iL", len(buf), buf.buffer_info()[0])
+        filled = struct.unpack("iL", fcntl.ioctl(sock.fileno(), _SIOCGIFCONF, request))[0]
+    table = buf.tobytes()[:filled]
+    for offset in range(0, len(table), _IFREQ_BYTES):
+        entry = table[offset : offset + _IFREQ_BYTES]
+        if socket.inet_ntoa(entry[20:24]) == address:  # sockaddr_in: family, port, then the address
+            return entry[:16].split(b"\0", 1)[0].decode().split(":", 1)[0]  # "eth0:1" is an alias
+    return None
 
 
 @contextlib.contextmanager

@@ -61,6 +61,11 @@ class TransferBackend(Protocol):
         """Write ``length[i]`` bytes from local ``src[i]`` to the peer's ``dst[i]``; block until all
         landed or raise. On any failure, the destination ranges may be partly or later written."""
 
+    def disconnect(self, peer: str) -> None:
+        """Forget a departed peer and release the engine's connections to it; never blocks on
+        the peer. Later writes to it are refused until it is ``connect``-ed again. Unknown peers
+        are ignored."""
+
     def progress(self) -> None:
         """Let a passive engine make progress (NIXL without a progress thread); cheap, non-blocking."""
 

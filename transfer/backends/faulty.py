@@ -101,6 +101,9 @@ class FaultyBackend:
         self.flipped.append(target)
         log.warning("TEST-ONLY fault: flipped the byte at %#x after write %d", target, self.writes)
 
+    def disconnect(self, peer: str) -> None:
+        self.inner.disconnect(peer)
+
     def progress(self) -> None:
         self.inner.progress()
 

@@ -10,10 +10,19 @@ Facts this module is built on (Mooncake 0.3.13, measured on our machines, see do
   the rest still landing afterwards. Writes go in batches of at most ``max_batch`` (1024) entries,
   one batch in flight per peer.
 - ``get_batch_transfer_status`` blocks until the batch ends or ``MC_TRANSFER_TIMEOUT`` (default
-  30 s) passes, and the first write to a peer blocks up to 60 s in the handshake if the peer does
-  not answer. So the engine calls of a write run in a helper thread and the caller waits on it
+  30 s) passes. So the engine calls of a write run in a helper thread and the caller waits on it
   with its own deadline; after a timeout the helper finishes in the background, holding that
   peer's lock so no later write piles onto a stuck peer.
+- The first write to a peer runs Mooncake's handshake, which waits up to 60 s (hard-coded) for an
+  endpoint that accepts and never answers, holding a lock that stalls every write of this engine,
+  to every peer. ``send_probe`` waits as long but holds nothing, so a peer's endpoint is probed in
+  a helper thread, with the write's own deadline, before Mooncake first contacts it.
+- Mooncake keeps its pooled TCP connections to a peer (4 "lanes", at most 16) after the peer has
+  gone, in CLOSE-WAIT, and has no call to drop them: a lane is closed only when the engine next
+  tries to use it. ``disconnect`` therefore reads one byte per lane back from the departed peer
+  into a private scratch buffer, which closes every dead lane and writes nothing but that buffer.
+- Its two listeners (handshake ``0.0.0.0``, data ``[::]``) bind every interface, and no setting
+  changes that; only their port range can be set (``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``).
 
 Thread safety: the engine is thread-safe for submission and status (it has its own locks); this
 class guards its own bookkeeping with a lock and serialises writes per peer.
@@ -68,6 +77,28 @@ def _import_engine() -> type:
     return TransferEngine
 
 
+_LANES = 16  # Mooncake's most pooled TCP connections per peer (MC_TCP_LANES_PER_PEER, default 4)
+
+
+@dataclass
+class _Probe:
+    """One ``send_probe`` of a peer's engine endpoint, run in a helper thread."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    code: int | None = None
+    detail: str = ""
+
+
+@dataclass
+class _Peer:
+    """What the backend keeps per peer session."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one write in flight
+    answered: bool = False  # its engine endpoint answered a probe: Mooncake may contact it
+    probe: _Probe | None = None  # the probe in flight
+    last_dst: int = 0  # a destination address written to it: what ``disconnect`` reads back
+
+
 @dataclass
 class _Outcome:
     """What the helper thread of one write reports back."""
@@ -117,11 +148,16 @@ class MooncakeBackend:
                 "mooncake: 'rdma' asked for but %s; the engine uses TCP",
                 "MC_FORCE_TCP is set" if devices else "this machine has no RDMA device",
             )
+        # What ``disconnect`` reads into: registered, as every local buffer must be for RDMA.
+        self._scratch = np.zeros(_LANES, dtype=np.uint8)
+        rc = engine.register_memory(self._scratch.ctypes.data, self._scratch.nbytes, "*")
+        if rc != 0:
+            raise BackendUnavailable(self.name, "register_memory", "scratch buffer refused", code=rc)
         self._engine = engine
         self._session = f"{host}:{engine.get_rpc_port()}"
         self._lock = threading.Lock()
         self._regions = RegionTable(self.name)
-        self._peers: dict[str, threading.Lock] = {}
+        self._peers: dict[str, _Peer] = {}
         self._closed = False
         log.info("mooncake: engine %s up, transport %s", self._session, self._transport)
 
@@ -146,15 +182,48 @@ class MooncakeBackend:
         return self._session.encode()
 
     def connect(self, peer_metadata: bytes) -> str:
-        """Validate a peer's session id; the handshake itself happens on the first write."""
+        """Validate a peer's session id; the probe and the handshake happen on the first write."""
         session = peer_metadata.decode("ascii", errors="replace")
         match = _SESSION.match(session)
         with self._lock:
             self._check_open("connect")
             if match is None or not 0 < int(match.group(2)) < 65536 or not _is_ipv4(match[1]):
                 raise BackendError(self.name, "connect", f"not a session id 'a.b.c.d:port': {session!r}")
-            self._peers.setdefault(session, threading.Lock())
+            self._peers.setdefault(session, _Peer())
         return session
+
+    def disconnect(self, peer: str) -> None:
+        """Forget ``peer`` and close the engine's TCP connections to it, in the background.
+
+        The connections are closed by a read of one byte per lane from the address last written
+        to the peer into the scratch buffer (see the module notes): once any write still running
+        to it has ended, and bounded like a write by ``MC_TRANSFER_TIMEOUT``. A peer never
+        written to has no connections. Unknown peers are ignored.
+        """
+        with self._lock:
+            state = self._peers.pop(peer, None)
+            if self._closed or state is None or not state.last_dst:
+                return
+            engine = self._engine
+        try:
+            threading.Thread(target=self._close_lanes, args=(engine, peer, state, self._scratch),
+                             name=f"mooncake-disconnect-{peer}", daemon=True).start()
+        except RuntimeError as exc:  # no thread could be started
+            raise BackendError(self.name, "disconnect", str(exc), peer=peer) from exc
+
+    def _close_lanes(self, engine: object, peer: str, state: _Peer, scratch: np.ndarray) -> None:
+        """Runs in the helper thread of ``disconnect``."""
+        with state.lock:
+            try:
+                batch = engine.batch_transfer_async_read(
+                    peer, [scratch.ctypes.data + i for i in range(_LANES)], [state.last_dst] * _LANES,
+                    [1] * _LANES)
+                rc = engine.get_batch_transfer_status([batch]) if 0 < batch < 2**63 else -1
+            except Exception as exc:  # nothing waits for this thread: say what happened
+                log.warning("mooncake: disconnecting %s: %s: %s", peer, type(exc).__name__, exc)
+                return
+        log.info("mooncake: disconnected %s (read back %s)", peer,
+                 "fine: it is still up" if rc == 0 else f"failed ({rc}): it is gone")
 
     def write(
         self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *, timeout_s: float
@@ -169,11 +238,16 @@ class MooncakeBackend:
         src, dst, length = check_write_args(self.name, peer, src, dst, length)
         with self._lock:
             self._check_open("write")
-            peer_lock = self._peers.get(peer)
-            if peer_lock is None:
+            state = self._peers.get(peer)
+            if state is None:
                 raise BackendError(self.name, "write", "unknown peer (connect first)", peer=peer)
             self._regions.locate("src", src, length)
             engine = self._engine
+            state.last_dst = int(dst[0])
+            probe = None if state.answered else self._start_probe(engine, peer, state)
+        if probe is not None:
+            self._await_probe(peer, probe, deadline, f"{len(src)} entries not done after {timeout_s} s")
+        peer_lock = state.lock
         if not peer_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise TransferTimeout(
                 self.name, "write", "an earlier write to this peer is still running", peer=peer
@@ -204,6 +278,42 @@ class MooncakeBackend:
                 peer=peer,
                 code=outcome.code,
             )
+
+    def _start_probe(self, engine: object, peer: str, state: _Peer) -> _Probe:
+        """The probe in flight for ``peer``, started if there is none (called under the lock)."""
+        if state.probe is not None:
+            return state.probe
+        probe = state.probe = _Probe()
+
+        def run() -> None:
+            try:
+                probe.code = engine.send_probe(peer)
+            except Exception as exc:  # a binding error must not pass for an answer
+                probe.detail = f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                state.answered = probe.code == 0
+                state.probe = None
+            probe.done.set()
+
+        try:
+            threading.Thread(target=run, name=f"mooncake-probe-{peer}", daemon=True).start()
+        except RuntimeError as exc:  # no thread could be started
+            state.probe = None
+            raise BackendError(self.name, "send_probe", str(exc), peer=peer) from exc
+        return probe
+
+    def _await_probe(self, peer: str, probe: _Probe, deadline: float, late: str) -> None:
+        """Wait for the probe until the write's deadline; ``late`` says what a timeout means."""
+        if not probe.done.wait(max(0.0, deadline - time.monotonic())):
+            raise TransferTimeout(
+                self.name, "send_probe",
+                f"{late}: the peer's engine endpoint did not answer a probe (Mooncake's own first "
+                "contact would stall every write of this engine for up to 60 s)", peer=peer)
+        if probe.code != 0:
+            raise BackendError(
+                self.name, "send_probe",
+                probe.detail or "the peer's engine endpoint refused the probe (gone, or not Mooncake)",
+                peer=peer, code=probe.code)
 
     def _run_batches(
         self,
@@ -252,8 +362,8 @@ class MooncakeBackend:
     def close(self) -> None:
         """Deregister every region and drop the engine; idempotent.
 
-        A write abandoned by a timeout may still run in its helper thread; it keeps the engine
-        alive until it ends (bounded by MC_TRANSFER_TIMEOUT / the 60 s handshake).
+        A write abandoned by a timeout, a probe or a ``disconnect`` may still run in its helper
+        thread; it keeps the engine alive until it ends (bounded by MC_TRANSFER_TIMEOUT / 60 s).
         """
         with self._lock:
             if self._closed:
@@ -265,6 +375,9 @@ class MooncakeBackend:
                     self._unregister(region)
                 except BackendError as exc:
                     failures.append(str(exc))
+            rc = self._engine.unregister_memory(self._scratch.ctypes.data)
+            if rc != 0:
+                failures.append(f"scratch buffer refused (code {rc})")
             self._engine = None
             self._peers.clear()
         if failures:

@@ -42,7 +42,9 @@ from . import (
     check_write_args,
     device_index,
     env_defaults,
+    interface_of,
     rdma_devices,
+    rdma_ports,
 )
 from .base import BackendError, BackendUnavailable, MemoryRegion, TransferTimeout
 
@@ -89,11 +91,21 @@ def _parse_metadata(data: bytes) -> tuple[str, list[MemoryRegion], bytes]:
         raise BackendError("nixl", "connect", f"malformed peer metadata: {exc}") from exc
 
 
-def _is_loopback(host: str) -> bool:
+def _net_devices(host: str) -> str:
+    """The UCX_NET_DEVICES that keeps UCX's TCP listener on ``host``'s interface ("" if unknown).
+
+    UCX's TCP transport listens on the address of every network device it may use; it gets this
+    host's interface only (``lo`` for a loopback host), plus the RDMA ports where there are any,
+    so that UCX keeps its RDMA transports (untested here: no RDMA device). CMA and shared memory
+    are not network devices.
+    """
     try:
-        return ipaddress.ip_address(host).is_loopback
+        if ipaddress.ip_address(host).is_loopback:
+            return "lo"
     except ValueError:
-        return host == "localhost"
+        return "lo" if host == "localhost" else ""
+    interface = interface_of(host)
+    return ",".join([interface, *rdma_ports()]) if interface else ""
 
 
 class NixlBackend:
@@ -102,12 +114,17 @@ class NixlBackend:
     name = "nixl"
 
     def __init__(self, *, host: str = "127.0.0.1", agent_name: str = "") -> None:
-        # UCX_NET_DEVICES=lo keeps UCX off the LAN for a loopback host. UCX_MODULES=^ib: without
-        # an RDMA device the InfiniBand module is useless, and loading it (bundled rdma-core next
-        # to the system's libibverbs providers) makes every process crash with SIGSEGV at exit.
+        # UCX_NET_DEVICES binds UCX's listener to the interface of ``host`` (see _net_devices).
+        # UCX_MODULES=^ib: without an RDMA device the InfiniBand module is useless, and loading
+        # it (bundled rdma-core next to the system's libibverbs providers) makes every process
+        # crash with SIGSEGV at exit.
         defaults = {"NIXL_LOG_LEVEL": "WARN"}
-        if _is_loopback(host):
-            defaults["UCX_NET_DEVICES"] = "lo"
+        devices = _net_devices(host)
+        if devices:
+            defaults["UCX_NET_DEVICES"] = devices
+        elif "UCX_NET_DEVICES" not in os.environ:
+            log.warning("nixl: no interface of this machine holds %s: UCX listens on every "
+                        "interface (set UCX_NET_DEVICES)", host)
         if not rdma_devices():
             defaults["UCX_MODULES"] = "^ib"
         with env_defaults(defaults):
@@ -194,6 +211,17 @@ class NixlBackend:
                 raise BackendError(self.name, "connect", f"metadata names agent {peer}", peer=expected)
             self._peers[peer] = table
         return peer
+
+    def disconnect(self, peer: str) -> None:
+        """Forget ``peer``'s regions and remove its remote agent (UCX closes its endpoints).
+
+        A write to it still polling then ends with a BackendError (NIXL reports the agent as
+        invalidated); its request is released as after any failure. Unknown peers are ignored.
+        """
+        with self._lock:
+            if self._closed or self._peers.pop(peer, None) is None:
+                return
+            self._call("remove_remote_agent", peer, self._agent.remove_remote_agent, peer)
 
     def write(
         self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *, timeout_s: float

@@ -229,3 +229,29 @@ def test_sglang_zero_row_infos_are_never_registered_or_planned(closing):
     assert index_layers(receiver.components) == list(PRODUCERS)
     assert count_mismatches(decode.pool, 8, np.array(DST)) == 0
     assert receiver.descriptors == 3 * (6 + 3)  # runs (9 | 3,4,5 | ...) x the 9 real buffers
+
+
+# ---- checksums over layer sets -----------------------------------------------------------------
+def test_checksummed_stages_into_a_compact_decode(closing):
+    """Each stage's checksums cover exactly the buffers it writes; a byte flipped by the second
+    stage's engine fails the request naming that stage's layer."""
+    from dsa_bridge.transfer.backends.faulty import FaultyBackend
+
+    stages = []
+    for start_layer, end_layer, engine in ((0, 3, FakeBackend()),
+                                           (3, 6, FaultyBackend(FakeBackend(), flip_every=2))):
+        node = PrefillNode(make_pool(SHARED, start_layer=start_layer, end_layer=end_layer), engine,
+                           heartbeat_s=0.1, checksums=True)
+        closing(node)
+        stages.append(node)
+    decode = DecodeNode(make_pool(SHARED, size=64 * 16, sentinel=True, indexer_layout="compact"),
+                        FakeBackend(), [s.endpoint for s in stages], heartbeat_s=0.1, checksums=True)
+    closing(decode)
+    good = run(stages, decode, room=20)  # the second stage's first write: not flipped
+    assert good.poll() == KVPoll.Success, good.failure_exception()
+    assert good.checksums_verified == len(DST) * len(good.components) == len(DST) * (6 + 3)
+    bad = run(stages, decode, room=21)  # its second write: one byte flipped after it landed
+    assert bad.poll() == KVPoll.Failed
+    assert "checksum mismatch: layer " in str(bad.failure_exception())
+    layer = int(str(bad.failure_exception()).split("checksum mismatch: layer ")[1].split()[0])
+    assert 3 <= layer < 6

@@ -21,9 +21,23 @@ import threading
 
 import numpy as np
 
+from dsa_bridge.transfer import options
 from dsa_bridge.transfer.auth import load_secret
+from dsa_bridge.transfer.backends.base import BackendError
 from dsa_bridge.transfer.bench import add_bench_parser, run_bench
 from dsa_bridge.transfer.demo import run_demo
+from dsa_bridge.transfer.options import (
+    listen_endpoint,
+    non_negative_int,
+    output_file,
+    peer_endpoint,
+    positive_float,
+    positive_int,
+    power_of_two,
+    request_count,
+    secret_file,
+    timeout_seconds,
+)
 from dsa_bridge.transfer.summary import print_summary, write_json_atomic
 
 DEFAULT_POOL_TOKENS = 65536
@@ -36,8 +50,8 @@ def add_pool_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", choices=("fp8", "fp8_raw", "bf16"),
                         help="MLA KV layout: fp8 = 656-byte FlashMLA row, fp8_raw = 576 bytes, bf16; "
                              "default: the preset's (fp8_raw for glm-5.2), else fp8")
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--pool-tokens", type=int, default=DEFAULT_POOL_TOKENS,
+    parser.add_argument("--page-size", type=power_of_two, default=64)
+    parser.add_argument("--pool-tokens", type=positive_int, default=DEFAULT_POOL_TOKENS,
                         help="token slots in the pool, a multiple of the page size "
                              f"(default {DEFAULT_POOL_TOKENS}: ~3.1 GB for DeepSeek-V3.2 fp8)")
 
@@ -45,54 +59,63 @@ def add_pool_options(parser: argparse.ArgumentParser) -> None:
 def add_node_options(parser: argparse.ArgumentParser) -> None:
     add_pool_options(parser)
     parser.add_argument("--backend", default="mooncake", choices=("mooncake", "nixl"))
-    parser.add_argument("--peer-timeout", type=float, default=5.0,
+    parser.add_argument("--peer-timeout", type=timeout_seconds, default=5.0,
                         help="seconds without a heartbeat before a peer counts as dead")
-    parser.add_argument("--request-timeout", type=float, default=60.0)
-    parser.add_argument("--secret-file", help="shared secret (first line) that peers must prove; "
-                                              "default: $DSA_BRIDGE_SECRET")
+    parser.add_argument("--request-timeout", type=timeout_seconds, default=60.0)
+    parser.add_argument("--secret-file", type=secret_file,
+                        help="shared secret (first line) that peers must prove; "
+                             "default: $DSA_BRIDGE_SECRET")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsa-bridge", description=__doc__.split("\n")[0])
-    parser.add_argument("--log-level", default=os.environ.get("DSA_BRIDGE_LOG_LEVEL", "WARNING"))
+    parser = options.Parser(prog="dsa-bridge", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", type=options.log_level,
+                        default=os.environ.get("DSA_BRIDGE_LOG_LEVEL", "WARNING"))
     sub = parser.add_subparsers(dest="command", required=True)
 
     pool = sub.add_parser("pool", help="print a pool's geometry and sizing")
     add_pool_options(pool)
-    pool.add_argument("--budget-gib", type=float, default=60.0)
+    pool.add_argument("--budget-gib", type=positive_float, default=60.0)
     pool.add_argument("--json", action="store_true")
 
     prefill = sub.add_parser("prefill", help="run a prefill node until SIGTERM/SIGINT")
     add_node_options(prefill)
-    prefill.add_argument("--listen", default="127.0.0.1:0", help="control endpoint HOST:PORT")
-    prefill.add_argument("--ready-file", help="write {endpoint, pid} here once listening")
+    prefill.add_argument("--listen", type=listen_endpoint, default="127.0.0.1:0",
+                         help="control endpoint HOST:PORT (a host name is resolved to its address)")
+    prefill.add_argument("--ready-file", type=output_file,
+                         help="write {endpoint, pid} here once listening")
     prefill.add_argument("--insecure", action="store_true",
                          help="allow a non-loopback listener without a shared secret")
-    prefill.add_argument("--chunk-pages", type=int, default=64,
+    prefill.add_argument("--chunk-pages", type=positive_int, default=64,
                          help="pages per chunk (a chunked prefill sends a request in pieces)")
 
     decode = sub.add_parser("decode", help="run verified requests against a prefill node")
     add_node_options(decode)
-    decode.add_argument("--prefill", required=True, help="prefill control endpoint HOST:PORT")
-    decode.add_argument("--engine-host", help="address prefill reaches this node's engine at "
-                                              "(default: the local address routed to prefill)")
+    decode.add_argument("--prefill", type=peer_endpoint, required=True,
+                        help="prefill control endpoint HOST:PORT")
+    decode.add_argument("--engine-host", type=options.engine_host,
+                        help="address prefill reaches this node's engine at "
+                             "(default: the local address routed to prefill)")
     add_run_options(decode)
-    decode.add_argument("--summary-file", help="write the JSON summary here instead of printing")
+    decode.add_argument("--summary-file", type=output_file,
+                        help="write the JSON summary here instead of printing")
 
     demo = sub.add_parser("demo", help="a real prefill and decode process on this machine")
     add_node_options(demo)
     add_run_options(demo)
-    demo.add_argument("--timeout", type=float, default=900.0, help="whole-run deadline, seconds")
+    demo.add_argument("--timeout", type=timeout_seconds, default=900.0,
+                      help="whole-run deadline, seconds")
 
     add_bench_parser(sub)
     return parser
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=16384, help="longest request")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--requests", type=request_count, default=32)
+    parser.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight")
+    parser.add_argument("--max-tokens", type=positive_int, default=16384,
+                        help="longest request (at most --pool-tokens)")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
@@ -169,18 +192,23 @@ def cmd_prefill(args) -> int:
 
 
 def cmd_decode(args) -> int:
+    from dsa_bridge.plugin import DSATokenToKVPool, index_layer_ids_for
     from dsa_bridge.transfer.backends import create_backend
     from dsa_bridge.transfer.control import parse_endpoint
     from dsa_bridge.transfer.decode import DecodeNode
     from dsa_bridge.transfer.roles import drive_decode, request_lengths, reset_pages
 
-    prefill_host, _ = parse_endpoint(args.prefill, "--prefill")
-    pool = make_pool(args)
+    endpoints = args.prefill.split(",")
+    prefill_host, _ = parse_endpoint(endpoints[0], "--prefill")
+    config, layout = make_layout(args)
+    reads = None if args.indexer_reads == "held" else index_layer_ids_for(
+        config, layout.index_layer_ids, "compact")
+    pool = DSATokenToKVPool.from_layout(layout, size=args.pool_tokens)
     reset_pages(pool, np.arange(pool.num_kv_pages))
     engine_host = args.engine_host or local_address_for(prefill_host)
-    with DecodeNode(pool, create_backend(args.backend, host=engine_host), args.prefill,
+    with DecodeNode(pool, create_backend(args.backend, host=engine_host), endpoints,
                     request_timeout_s=args.request_timeout, peer_timeout_s=args.peer_timeout,
-                    secret=load_secret(args.secret_file)) as node:
+                    secret=load_secret(args.secret_file), index_reads=reads) as node:
         lengths = request_lengths(args.requests, pool.page_size,
                                   min(args.max_tokens, args.pool_tokens), args.seed)
         # room ids are global on a prefill node (as SGLang's bootstrap rooms): random, so that
@@ -191,7 +219,9 @@ def cmd_decode(args) -> int:
             "requests": report.requests, "requests_ok": report.requests_ok,
             "requests_failed": report.requests_failed, "bytes_verified": report.bytes_verified,
             "bytes_mismatched": report.bytes_mismatched, "sentinel_intact": report.sentinel_intact,
-            "layers": pool.layout.num_layers, "gbps": round(report.gbps, 3),
+            "layers": pool.layout.num_layers, "indexer_layout": pool.layout.indexer_layout,
+            "indexer_layers": len({lid for p in node.peers for lid, kind in p.keys if kind == "index"}),
+            "gbps": round(report.gbps, 3),
             "engine_gbps": round(report.engine_gbps, 3), "seconds": round(report.seconds, 3),
             "transfer_seconds": round(report.transfer_seconds, 3), "backend": args.backend,
             "transport": node.backend.transport(), "model": args.model,
@@ -217,14 +247,23 @@ def local_address_for(peer_host: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    """Parse and check every option, then run the command; the process's exit code."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # a bad option (2) or --help (0), already printed
+        return int(exc.code or 0)
+    try:
+        options.check_options(args)
+    except options.OptionError as exc:
+        print(f"dsa-bridge {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     commands = {"pool": cmd_pool, "prefill": cmd_prefill, "decode": cmd_decode, "demo": run_demo,
                 "bench": run_bench}
     try:
         return commands[args.command](args)
-    except (ValueError, OSError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError, BackendError) as exc:
         print(f"dsa-bridge {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="allow a non-loopback listener without a shared secret")
     prefill.add_argument("--chunk-pages", type=positive_int, default=64,
                          help="pages per chunk (a chunked prefill sends a request in pieces)")
+    prefill.add_argument("--summary-file", type=output_file,
+                         help="at exit, write the counters and the stand-in's fill times here")
 
     decode = sub.add_parser("decode", help="run verified requests against a prefill node")
     add_node_options(decode)
@@ -98,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: the local address routed to prefill)")
     add_run_options(decode)
     decode.add_argument("--summary-file", type=output_file,
-                        help="write the JSON summary here instead of printing")
+                        help="write the JSON summary here instead of printing, with each "
+                             "request's init and Success times (time.monotonic())")
 
     demo = sub.add_parser("demo", help="a real prefill and decode process on this machine")
     add_node_options(demo)
@@ -169,7 +172,7 @@ def cmd_prefill(args) -> int:
     from dsa_bridge.transfer.backends import create_backend, faulty
     from dsa_bridge.transfer.control import parse_endpoint
     from dsa_bridge.transfer.prefill import PrefillNode
-    from dsa_bridge.transfer.roles import serve_prefill
+    from dsa_bridge.transfer.roles import PrefillReport, serve_prefill
 
     host, _ = parse_endpoint(args.listen, "--listen")
     stop = stop_on_signals()
@@ -178,37 +181,43 @@ def cmd_prefill(args) -> int:
     node = PrefillNode(pool, backend, listen=args.listen,
                        request_timeout_s=args.request_timeout, peer_timeout_s=args.peer_timeout,
                        secret=load_secret(args.secret_file), allow_insecure=args.insecure)
+    # each room's ready time only for a summary file (the demo's): a long-lived node keeps none
+    report = PrefillReport(ready_at={} if args.summary_file else None)
     try:
         if args.ready_file:
             write_json_atomic(args.ready_file, {"endpoint": node.endpoint, "pid": os.getpid(),
                                                 "transport": node.backend.transport()})
         print(f"[prefill] listening on {node.endpoint} ({args.backend}, "
               f"{node.backend.transport()})", file=sys.stderr, flush=True)
-        serve_prefill(node, stop, chunk_pages=args.chunk_pages)
+        serve_prefill(node, stop, chunk_pages=args.chunk_pages, report=report)
     finally:
-        print(f"[prefill] counters: {node.counters.snapshot()}", file=sys.stderr, flush=True)
+        counters = node.counters.snapshot()
+        print(f"[prefill] counters: {counters}", file=sys.stderr, flush=True)
+        print(f"[prefill] stand-in model: filled {report.requests} requests, "
+              f"{report.fill_bytes / 1e9:.2f} GB in {report.fill_seconds:.2f}s "
+              f"({report.fill_gbps:.2f} GB/s)", file=sys.stderr, flush=True)
+        if args.summary_file:
+            write_json_atomic(args.summary_file, {
+                "counters": counters, "requests_filled": report.requests,
+                "fill_bytes": report.fill_bytes, "fill_seconds": report.fill_seconds,
+                "ready_at": report.ready_at})
         node.close()
     return 0
 
 
 def cmd_decode(args) -> int:
-    from dsa_bridge.plugin import DSATokenToKVPool, index_layer_ids_for
     from dsa_bridge.transfer.backends import create_backend
     from dsa_bridge.transfer.control import parse_endpoint
     from dsa_bridge.transfer.decode import DecodeNode
     from dsa_bridge.transfer.roles import drive_decode, request_lengths, reset_pages
 
-    endpoints = args.prefill.split(",")
-    prefill_host, _ = parse_endpoint(endpoints[0], "--prefill")
-    config, layout = make_layout(args)
-    reads = None if args.indexer_reads == "held" else index_layer_ids_for(
-        config, layout.index_layer_ids, "compact")
-    pool = DSATokenToKVPool.from_layout(layout, size=args.pool_tokens)
+    prefill_host, _ = parse_endpoint(args.prefill, "--prefill")
+    pool = make_pool(args)
     reset_pages(pool, np.arange(pool.num_kv_pages))
     engine_host = args.engine_host or local_address_for(prefill_host)
-    with DecodeNode(pool, create_backend(args.backend, host=engine_host), endpoints,
+    with DecodeNode(pool, create_backend(args.backend, host=engine_host), args.prefill,
                     request_timeout_s=args.request_timeout, peer_timeout_s=args.peer_timeout,
-                    secret=load_secret(args.secret_file), index_reads=reads) as node:
+                    secret=load_secret(args.secret_file)) as node:
         lengths = request_lengths(args.requests, pool.page_size,
                                   min(args.max_tokens, args.pool_tokens), args.seed)
         # room ids are global on a prefill node (as SGLang's bootstrap rooms): random, so that
@@ -219,18 +228,23 @@ def cmd_decode(args) -> int:
             "requests": report.requests, "requests_ok": report.requests_ok,
             "requests_failed": report.requests_failed, "bytes_verified": report.bytes_verified,
             "bytes_mismatched": report.bytes_mismatched, "sentinel_intact": report.sentinel_intact,
-            "layers": pool.layout.num_layers, "indexer_layout": pool.layout.indexer_layout,
-            "indexer_layers": len({lid for p in node.peers for lid, kind in p.keys if kind == "index"}),
-            "gbps": round(report.gbps, 3),
-            "engine_gbps": round(report.engine_gbps, 3), "seconds": round(report.seconds, 3),
-            "transfer_seconds": round(report.transfer_seconds, 3), "backend": args.backend,
+            "layers": pool.layout.num_layers,
+            # when prefill's pages were ready, and how long its stand-in filled them, only the
+            # prefill process knows: the demo joins them in (summary.join_prefill)
+            "gbps": None, "transfer_seconds": None, "fill_gbps": None, "fill_seconds": None,
+            "engine_gbps": round(report.engine_gbps, 3),
+            "request_gbps": round(report.request_gbps, 3),
+            "request_seconds": round(report.request_seconds, 3),
+            "verify_gbps": round(report.verify_gbps, 3),
+            "verify_seconds": round(report.verify_seconds, 3),
+            "seconds": round(report.seconds, 3), "backend": args.backend,
             "transport": node.backend.transport(), "model": args.model,
             "kv_dtype": pool.layout.kv_dtype, "page_size": pool.page_size,
             "concurrency": args.concurrency, "failures": report.failures[:20],
             "counters": node.counters.snapshot(), "ok": report.ok,
         }
     if args.summary_file:
-        write_json_atomic(args.summary_file, summary)
+        write_json_atomic(args.summary_file, {**summary, "request_times": report.times})
     else:
         print_summary(summary, as_json=args.json)
     return 0 if report.ok else 1

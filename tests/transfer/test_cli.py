@@ -1,9 +1,12 @@
 """The launcher: the pool command, every bad option refused before anything is allocated (one
-line naming the option, exit code 2), host names resolved, stopping on SIGTERM."""
+line naming the option, exit code 2), host names resolved, stopping on SIGTERM, a quiet demo whose
+summary separates the transfer from the stand-in model's filling."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +17,14 @@ import pytest
 
 from dsa_bridge.transfer import backends, cli, demo, options
 from dsa_bridge.transfer.auth import SECRET_ENV
+from dsa_bridge.transfer.backends import BACKENDS
 from dsa_bridge.transfer.cli import main
+from dsa_bridge.transfer.summary import join_prefill, print_summary
+
+from ..conftest import require_engine
+
+GLOG_ERROR = re.compile(r"^E\d{4}", re.MULTILINE)
+ENGINE_LOG_ENV = ("MC_LOG_LEVEL", "NIXL_LOG_LEVEL", "UCX_LOG_LEVEL")
 
 
 class Allocated(Exception):
@@ -202,9 +212,64 @@ def test_prefill_exits_cleanly_on_sigterm(listen):
         process.send_signal(signal.SIGTERM)
         assert process.wait(20) == 0
         rest = process.stderr.read()
-        assert "[prefill] counters:" in rest
+        assert "[prefill] counters:" in rest and "[prefill] stand-in model: filled 0 requests" in rest
         assert "Traceback" not in rest
     finally:
         if process.poll() is None:
             process.kill()
             process.wait(10)
+
+
+def decode_summary(**figures):
+    summary = {"requests": 2, "requests_ok": 2, "requests_failed": 0, "bytes_verified": 4_000_000,
+               "layers": 61, "backend": "mooncake", "transport": "tcp", "seconds": 3.0,
+               "gbps": None, "transfer_seconds": None, "fill_gbps": None, "fill_seconds": None,
+               "engine_gbps": 2.0, "request_gbps": 1.0, "request_seconds": 4.0,
+               "verify_gbps": 0.5, "verify_seconds": 8.0, "failures": [], "ok": True}
+    return {**summary, **figures}
+
+
+def test_join_prefill_takes_the_transfer_from_pages_ready_to_success():
+    times = {"7": [10.0, 12.0], "8": [10.5, 15.0]}
+    prefill = {"fill_bytes": 4_000_000, "fill_seconds": 2.0, "ready_at": {"7": 11.0, "8": 14.0}}
+    joined = join_prefill(decode_summary(request_times=times), prefill)
+    assert "request_times" not in joined
+    assert joined["transfer_seconds"] == 2.0  # [11, 12] and [14, 15]
+    assert joined["gbps"] == 0.002 and joined["fill_gbps"] == 0.002 and joined["fill_seconds"] == 2.0
+    unknown = join_prefill(decode_summary(request_times=times), {**prefill, "ready_at": {"7": 11.0}})
+    assert unknown["gbps"] is None and unknown["transfer_seconds"] is None
+
+
+def test_summary_text_names_each_rate(capsys):
+    print_summary(decode_summary(gbps=0.8, transfer_seconds=2.5, fill_gbps=0.3, fill_seconds=7.0),
+                  as_json=False)
+    text = capsys.readouterr().out
+    assert "transfer  0.80 GB/s from prefill's pages ready to decode's Success" in text
+    assert "engine    2.00 GB/s" in text and "stand-in  0.30 GB/s" in text
+    assert "requests  1.00 GB/s from decode's request to Success" in text
+    assert "checking  0.50 GB/s decode checking every byte" in text
+    print_summary(decode_summary(), as_json=False)  # decode alone: no prefill times
+    alone = capsys.readouterr().out
+    assert "transfer " not in alone and "stand-in" not in alone and "requests  1.00" in alone
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_demo_is_quiet_and_separates_transfer_from_filling(backend):
+    """A healthy demo with the engines' default log levels: no glog error line, no traceback;
+    the summary's transfer, engine, stand-in and request figures are all there and consistent."""
+    require_engine(backend)
+    env = {k: v for k, v in os.environ.items() if k not in ENGINE_LOG_ENV}
+    result = subprocess.run(
+        [sys.executable, "-m", "dsa_bridge.transfer.cli", "demo", "--backend", backend,
+         "--requests", "4", "--pool-tokens", "4096", "--max-tokens", "1024", "--json"],
+        capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not GLOG_ERROR.search(result.stderr), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["requests_ok"] == 4 and "request_times" not in summary
+    for key in ("gbps", "transfer_seconds", "engine_gbps", "fill_gbps", "fill_seconds",
+                "request_gbps", "request_seconds", "verify_gbps", "verify_seconds"):
+        assert summary[key] > 0, key
+    assert summary["transfer_seconds"] <= summary["request_seconds"]  # ready comes after init
+    assert summary["gbps"] >= summary["request_gbps"]

@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_argument("--chunk-pages", type=positive_int, default=64,
                          help="pages per chunk (a chunked prefill sends a request in pieces)")
     prefill.add_argument("--summary-file", type=output_file,
-                         help="at exit, write the counters and the stand-in's fill times here")
+                         help="at exit, write here the counters, the stand-in's fill time and "
+                              "when each request's pages were ready (time.monotonic())")
 
     decode = sub.add_parser("decode", help="run verified requests against a prefill node")
     add_node_options(decode)
@@ -117,7 +118,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=request_count, default=32)
     parser.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight")
     parser.add_argument("--max-tokens", type=positive_int, default=16384,
-                        help="longest request (at most --pool-tokens)")
+                        help="longest request (capped at --pool-tokens)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # a bad option (2) or --help (0), already printed
         return int(exc.code or 0)
     try:
-        options.check_options(args)
+        options.check_options(args, make_layout)
     except options.OptionError as exc:
         print(f"dsa-bridge {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -190,36 +190,31 @@ def host_of(endpoint: str) -> str:
     return parse_endpoint(endpoint)[0]
 
 
-def check_layout(args) -> None:
-    """--model, --kv-dtype, --page-size and --pool-tokens describe a pool that can be built,
-    and, for the commands that allocate one, that fits in this machine's memory."""
-    from dsa_bridge.plugin import DSALayout, sizing
+def check_layout(args, make_layout) -> None:
+    """--model (and the options ``make_layout(args) -> (config, layout)`` reads) describe a pool
+    that can be built with --pool-tokens and, for the commands that allocate one, fits in this
+    machine's memory."""
+    from dsa_bridge.plugin import sizing
     from dsa_bridge.plugin.layout import load_model_config
 
     try:
-        config = load_model_config(args.model)
-        kv_dtype = args.kv_dtype or config.get("dsa_bridge_kv_dtype", "fp8")
-        # one layer first: every dim is checked without building a layout of untrusted size
-        one = DSALayout.from_hf_config(config, page_size=args.page_size, kv_dtype=kv_dtype,
-                                       end_layer=1)
+        layers = load_model_config(args.model).get("num_hidden_layers")
+        if isinstance(layers, int) and layers > MAX_LAYERS:  # before a layout of that size
+            raise OptionError(f"num_hidden_layers is {layers}; at most {MAX_LAYERS} are supported")
+        _, layout = make_layout(args)
     except ValueError as exc:
         raise OptionError(f"--model {args.model}: {exc}") from None
-    layers = config["num_hidden_layers"]
-    if layers > MAX_LAYERS:
-        raise OptionError(f"--model {args.model}: num_hidden_layers is {layers}; at most "
-                          f"{MAX_LAYERS} are supported")
     if args.pool_tokens % args.page_size:
         raise OptionError(f"--pool-tokens must be a multiple of --page-size ({args.page_size}), "
                           f"got {args.pool_tokens}")
     pools = {"prefill": 1, "decode": 1, "demo": 2}.get(args.command, 0)
-    if pools:
-        need = pools * layers * sizing.allocation_bytes(one, args.pool_tokens)
-        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        if need > have:
-            what = "two pools (prefill and decode) need" if pools == 2 else "the pool needs"
-            raise OptionError(f"--pool-tokens {args.pool_tokens}: {what} {need / 2**30:.1f} GiB "
-                              f"for {args.model} ({layers} layers); this machine has "
-                              f"{have / 2**30:.1f} GiB of memory")
+    need = pools * sizing.allocation_bytes(layout, args.pool_tokens)
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > have:
+        what = "two pools (prefill and decode) need" if pools == 2 else "the pool needs"
+        raise OptionError(f"--pool-tokens {args.pool_tokens}: {what} {need / 2**30:.1f} GiB "
+                          f"for {args.model} ({layout.num_layers} layers); this machine has "
+                          f"{have / 2**30:.1f} GiB of memory")
 
 
 def check_mooncake_ipv4(args, option: str, host: str) -> None:
@@ -227,10 +222,11 @@ def check_mooncake_ipv4(args, option: str, host: str) -> None:
         raise OptionError(f"{option}: mooncake takes IPv4 addresses only, got {host}")
 
 
-def check_options(args) -> None:
-    """Every check that needs more than one option; raises OptionError naming the option."""
+def check_options(args, make_layout) -> None:
+    """Every check that needs more than one option; raises OptionError naming the option.
+    ``make_layout(args) -> (config, layout)`` is the launcher's own."""
     if hasattr(args, "pool_tokens"):
-        check_layout(args)
+        check_layout(args, make_layout)
     if args.command == "prefill":
         host = host_of(args.listen)
         check_mooncake_ipv4(args, "--listen", host)

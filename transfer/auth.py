@@ -43,6 +43,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def check_listener(host: str, secret: bytes, allow_insecure: bool) -> None:
+    """A listener on a non-loopback address needs a shared secret, unless explicitly insecure."""
+    if not secret and not allow_insecure and not is_loopback(host):
+        raise AuthError(
+            f"refusing to listen on non-loopback {host} without a shared secret: set "
+            f"{SECRET_ENV} or --secret-file (or pass --insecure on a trusted network)")
+
+
 def sign(secret: bytes, *parts: bytes) -> bytes:
     mac = hmac.new(secret, digestmod=hashlib.sha256)
     for part in parts:

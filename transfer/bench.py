@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from dsa_bridge.transfer.backends import BACKENDS
+from dsa_bridge.transfer.options import choice_list, output_dir
 
 REPORT_VERSION = 1
 LONG_REQUEST_TOKENS = 8192  # the ratio_vs_raw target holds from this request length on
@@ -311,23 +312,21 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                       help="every code path at the smallest sizes, in seconds (the smoke test); "
                            "the figures mean little")
     bench.set_defaults(size="full")
-    bench.add_argument("--backends", default=",".join(BACKENDS),
+    bench.add_argument("--backends", type=choice_list(BACKENDS), default=",".join(BACKENDS),
                        help=f"comma-separated, of {', '.join(BACKENDS)} (default: all)")
     bench.add_argument("--indexer-layout", default="uniform", choices=("uniform", "compact"),
                        help="the GLM-5.2 layer sweep's pools (the layer-sets sweep runs both)")
     bench.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    bench.add_argument("--plots", metavar="DIR", help="write bench_gbps_vs_length.png and "
-                                                      "bench_plan_cost.png there (matplotlib)")
+    bench.add_argument("--plots", metavar="DIR", type=output_dir,
+                       help="write bench_gbps_vs_length.png and bench_plan_cost.png there "
+                            "(matplotlib)")
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    backends = [b for b in args.backends.split(",") if b]
-    if not backends or set(backends) - set(BACKENDS):
-        raise ValueError(f"--backends: choose from {', '.join(BACKENDS)}, got {args.backends!r}")
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     with stdout_to_stderr() if args.json else contextlib.nullcontext():
-        report = run(args.size, backends, args.indexer_layout)
+        report = run(args.size, args.backends, args.indexer_layout)
         if args.plots:
             report["plots"] = write_plots(report, args.plots)
     if args.json:

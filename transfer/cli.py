@@ -21,10 +21,24 @@ import threading
 
 import numpy as np
 
+from dsa_bridge.transfer import options
 from dsa_bridge.transfer.auth import load_secret
+from dsa_bridge.transfer.backends.base import BackendError
 from dsa_bridge.transfer.bench import add_bench_parser, run_bench
 from dsa_bridge.transfer.demo import run_demo
 from dsa_bridge.transfer.metrics import metrics_port
+from dsa_bridge.transfer.options import (
+    listen_endpoint,
+    non_negative_int,
+    output_file,
+    peer_endpoints,
+    positive_float,
+    positive_int,
+    power_of_two,
+    request_count,
+    secret_file,
+    timeout_seconds,
+)
 from dsa_bridge.transfer.summary import print_summary, write_json_atomic
 
 DEFAULT_POOL_TOKENS = 65536
@@ -40,8 +54,8 @@ def add_pool_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--indexer-layout", default="uniform", choices=("uniform", "compact"),
                         help="uniform: every layer holds an indexer (default); compact: only the "
                              "layers that produce their own top-k (GLM-5.2: 21 of 78)")
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--pool-tokens", type=int, default=DEFAULT_POOL_TOKENS,
+    parser.add_argument("--page-size", type=power_of_two, default=64)
+    parser.add_argument("--pool-tokens", type=positive_int, default=DEFAULT_POOL_TOKENS,
                         help="token slots in the pool, a multiple of the page size "
                              f"(default {DEFAULT_POOL_TOKENS}: ~3.1 GB for DeepSeek-V3.2 fp8)")
 
@@ -49,11 +63,12 @@ def add_pool_options(parser: argparse.ArgumentParser) -> None:
 def add_node_options(parser: argparse.ArgumentParser) -> None:
     add_pool_options(parser)
     parser.add_argument("--backend", default="mooncake", choices=("mooncake", "nixl"))
-    parser.add_argument("--peer-timeout", type=float, default=5.0,
+    parser.add_argument("--peer-timeout", type=timeout_seconds, default=5.0,
                         help="seconds without a heartbeat before a peer counts as dead")
-    parser.add_argument("--request-timeout", type=float, default=60.0)
-    parser.add_argument("--secret-file", help="shared secret (first line) that peers must prove; "
-                                              "default: $DSA_BRIDGE_SECRET")
+    parser.add_argument("--request-timeout", type=timeout_seconds, default=60.0)
+    parser.add_argument("--secret-file", type=secret_file,
+                        help="shared secret (first line) that peers must prove; "
+                             "default: $DSA_BRIDGE_SECRET")
     parser.add_argument("--checksums", action=argparse.BooleanOptionalAction, default=False,
                         help="end-to-end page checksums: prefill sends one per page of every "
                              "buffer, decode verifies them before a request succeeds")
@@ -67,47 +82,57 @@ def add_metrics_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsa-bridge", description=__doc__.split("\n")[0])
-    parser.add_argument("--log-level", default=os.environ.get("DSA_BRIDGE_LOG_LEVEL", "WARNING"))
+    parser = options.Parser(prog="dsa-bridge", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", type=options.log_level,
+                        default=os.environ.get("DSA_BRIDGE_LOG_LEVEL", "WARNING"))
     sub = parser.add_subparsers(dest="command", required=True)
 
     pool = sub.add_parser("pool", help="print a pool's geometry and sizing")
     add_pool_options(pool)
-    pool.add_argument("--budget-gib", type=float, default=60.0)
+    pool.add_argument("--budget-gib", type=positive_float, default=60.0)
     pool.add_argument("--json", action="store_true")
 
     prefill = sub.add_parser("prefill", help="run a prefill node until SIGTERM/SIGINT")
     add_node_options(prefill)
-    prefill.add_argument("--listen", default="127.0.0.1:0", help="control endpoint HOST:PORT")
-    prefill.add_argument("--ready-file", help="write {endpoint, pid} here once listening")
+    prefill.add_argument("--listen", type=listen_endpoint, default="127.0.0.1:0",
+                         help="control endpoint HOST:PORT (a host name is resolved to its address)")
+    prefill.add_argument("--ready-file", type=output_file,
+                         help="write {endpoint, pid} here once listening")
     prefill.add_argument("--insecure", action="store_true",
                          help="allow a non-loopback listener without a shared secret")
-    prefill.add_argument("--chunk-pages", type=int, default=64,
+    prefill.add_argument("--chunk-pages", type=positive_int, default=64,
                          help="pages per chunk (a chunked prefill sends a request in pieces)")
-    prefill.add_argument("--start-layer", type=int,
+    prefill.add_argument("--start-layer", type=non_negative_int,
                          help="first layer this node holds (a pipeline stage; default 0)")
-    prefill.add_argument("--end-layer", type=int,
+    prefill.add_argument("--end-layer", type=positive_int,
                          help="one past the last layer this node holds (default: all)")
+    prefill.add_argument("--summary-file", type=output_file,
+                         help="at exit, write here the counters, the stand-in's fill time and "
+                              "when each request's pages were ready (time.monotonic())")
     add_metrics_options(prefill)
 
     decode = sub.add_parser("decode", help="run verified requests against a prefill node")
     add_node_options(decode)
-    decode.add_argument("--prefill", required=True,
+    decode.add_argument("--prefill", type=peer_endpoints, required=True,
                         help="prefill control endpoint HOST:PORT, or the comma-separated endpoints "
                              "of the pipeline stages that together hold every layer")
     decode.add_argument("--indexer-reads", default="held", choices=("held", "producers"),
                         help="indexer layers this node's attention reads: every one it holds "
                              "(default), or only the producer layers (index sharing on)")
-    decode.add_argument("--engine-host", help="address prefill reaches this node's engine at "
-                                              "(default: the local address routed to prefill)")
+    decode.add_argument("--engine-host", type=options.engine_host,
+                        help="address prefill reaches this node's engine at "
+                             "(default: the local address routed to prefill)")
     add_run_options(decode)
-    decode.add_argument("--summary-file", help="write the JSON summary here instead of printing")
+    decode.add_argument("--summary-file", type=output_file,
+                        help="write the JSON summary here instead of printing, with each "
+                             "request's init and Success times (time.monotonic())")
     add_metrics_options(decode)
 
     demo = sub.add_parser("demo", help="a real prefill and decode process on this machine")
     add_node_options(demo)
     add_run_options(demo)
-    demo.add_argument("--timeout", type=float, default=900.0, help="whole-run deadline, seconds")
+    demo.add_argument("--timeout", type=timeout_seconds, default=900.0,
+                      help="whole-run deadline, seconds")
     demo.set_defaults(checksums=True)  # --no-checksums to turn them off
 
     add_bench_parser(sub)
@@ -115,10 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=16384, help="longest request")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--requests", type=request_count, default=32)
+    parser.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight")
+    parser.add_argument("--max-tokens", type=positive_int, default=16384,
+                        help="longest request (capped at --pool-tokens)")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
@@ -176,7 +202,7 @@ def cmd_prefill(args) -> int:
     from dsa_bridge.transfer.backends import create_backend, faulty
     from dsa_bridge.transfer.control import parse_endpoint
     from dsa_bridge.transfer.prefill import PrefillNode
-    from dsa_bridge.transfer.roles import serve_prefill
+    from dsa_bridge.transfer.roles import PrefillReport, serve_prefill
 
     host, _ = parse_endpoint(args.listen, "--listen")
     stop = stop_on_signals()
@@ -187,6 +213,8 @@ def cmd_prefill(args) -> int:
                        secret=load_secret(args.secret_file), allow_insecure=args.insecure,
                        checksums=args.checksums)
     exporter = None
+    # each room's ready time only for a summary file (the demo's): a long-lived node keeps none
+    report = PrefillReport(ready_at={} if args.summary_file else None)
     try:
         exporter = metrics.serve(node, "prefill", args.metrics_host, args.metrics_port)
         if args.ready_file:
@@ -194,9 +222,18 @@ def cmd_prefill(args) -> int:
                                                 "transport": node.backend.transport()})
         print(f"[prefill] listening on {node.endpoint} ({args.backend}, "
               f"{node.backend.transport()})", file=sys.stderr, flush=True)
-        serve_prefill(node, stop, chunk_pages=args.chunk_pages)
+        serve_prefill(node, stop, chunk_pages=args.chunk_pages, report=report)
     finally:
-        print(f"[prefill] counters: {node.counters.snapshot()}", file=sys.stderr, flush=True)
+        counters = node.counters.snapshot()
+        print(f"[prefill] counters: {counters}", file=sys.stderr, flush=True)
+        print(f"[prefill] stand-in model: filled {report.requests} requests, "
+              f"{report.fill_bytes / 1e9:.2f} GB in {report.fill_seconds:.2f}s "
+              f"({report.fill_gbps:.2f} GB/s)", file=sys.stderr, flush=True)
+        if args.summary_file:
+            write_json_atomic(args.summary_file, {
+                "counters": counters, "requests_filled": report.requests,
+                "fill_bytes": report.fill_bytes, "fill_seconds": report.fill_seconds,
+                "ready_at": report.ready_at})
         if exporter is not None:
             exporter.close()
         node.close()
@@ -236,9 +273,15 @@ def cmd_decode(args) -> int:
             "bytes_mismatched": report.bytes_mismatched, "sentinel_intact": report.sentinel_intact,
             "layers": pool.layout.num_layers, "indexer_layout": pool.layout.indexer_layout,
             "indexer_layers": len({lid for p in node.peers for lid, kind in p.keys if kind == "index"}),
-            "gbps": round(report.gbps, 3),
-            "engine_gbps": round(report.engine_gbps, 3), "seconds": round(report.seconds, 3),
-            "transfer_seconds": round(report.transfer_seconds, 3), "backend": args.backend,
+            # when prefill's pages were ready, and how long its stand-in filled them, only the
+            # prefill process knows: the demo joins them in (summary.join_prefill)
+            "gbps": None, "transfer_seconds": None, "fill_gbps": None, "fill_seconds": None,
+            "engine_gbps": round(report.engine_gbps, 3),
+            "request_gbps": round(report.request_gbps, 3),
+            "request_seconds": round(report.request_seconds, 3),
+            "verify_gbps": round(report.verify_gbps, 3),
+            "verify_seconds": round(report.verify_seconds, 3),
+            "seconds": round(report.seconds, 3), "backend": args.backend,
             "transport": node.backend.transport(), "model": args.model,
             "kv_dtype": pool.layout.kv_dtype, "page_size": pool.page_size,
             "concurrency": args.concurrency, "failures": report.failures[:20],
@@ -247,7 +290,7 @@ def cmd_decode(args) -> int:
             "counters": node.counters.snapshot(), "ok": report.ok,
         }
     if args.summary_file:
-        write_json_atomic(args.summary_file, summary)
+        write_json_atomic(args.summary_file, {**summary, "request_times": report.times})
     else:
         print_summary(summary, as_json=args.json)
     return 0 if report.ok else 1
@@ -264,14 +307,23 @@ def local_address_for(peer_host: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    """Parse and check every option, then run the command; the process's exit code."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # a bad option (2) or --help (0), already printed
+        return int(exc.code or 0)
+    try:
+        options.check_options(args, make_layout)
+    except options.OptionError as exc:
+        print(f"dsa-bridge {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     commands = {"pool": cmd_pool, "prefill": cmd_prefill, "decode": cmd_decode, "demo": run_demo,
                 "bench": run_bench}
     try:
         return commands[args.command](args)
-    except (ValueError, OSError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError, BackendError) as exc:
         print(f"dsa-bridge {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -3,7 +3,9 @@
 The demo starts ``dsa-bridge prefill`` on a free loopback port, waits until it is listening,
 then runs ``dsa-bridge decode`` against it, which drives the requests and verifies every byte.
 Both children are stopped by PID whatever happens; the children's stdout (where NIXL and UCX
-log) goes to our stderr, so ``--json`` prints nothing but the summary.
+log) goes to our stderr, so ``--json`` prints nothing but the summary. Decode's summary is
+completed with the one prefill writes when it stops (when each request's pages were ready, how
+long the stand-in model took to fill them): ``summary.join_prefill``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from dsa_bridge.transfer.summary import print_summary
+from dsa_bridge.transfer.summary import join_prefill, print_summary
 
 
 def node_arguments(args) -> list[str]:
@@ -64,10 +66,12 @@ def run_demo(args) -> int:
     prefill = decode = None
     with tempfile.TemporaryDirectory(prefix="dsa-bridge-demo-") as tmp:
         ready_file = os.path.join(tmp, "prefill.json")
+        prefill_file = os.path.join(tmp, "prefill-summary.json")
         summary_file = os.path.join(tmp, "summary.json")
         try:
             prefill = launch("prefill", ["--listen", "127.0.0.1:0", "--ready-file", ready_file,
-                                         *node_arguments(args)], args.log_level)
+                                         "--summary-file", prefill_file, *node_arguments(args)],
+                             args.log_level)
             endpoint = wait_ready(prefill, ready_file, timeout_s=120)["endpoint"]
             decode = launch("decode", [
                 "--prefill", endpoint, "--summary-file", summary_file, "--requests",
@@ -87,5 +91,12 @@ def run_demo(args) -> int:
             return 1
         with open(summary_file) as f:
             summary = json.load(f)
+        if os.path.exists(prefill_file):
+            with open(prefill_file) as f:
+                summary = join_prefill(summary, json.load(f))
+        else:
+            summary.pop("request_times")
+            print(f"dsa-bridge demo: prefill exited with code {prefill.returncode} and no "
+                  "summary: no transfer or fill figures", file=sys.stderr)
     print_summary(summary, as_json=args.json)
     return 0 if summary["ok"] and decode.returncode == 0 else 1

@@ -124,10 +124,7 @@ class PrefillNode:
                  write_timeout_s: float = 30.0, secret: bytes = b"",
                  allow_insecure: bool = False, checksums: bool = False):
         host, port = parse_endpoint(listen, "listen")
-        if not secret and not allow_insecure and not auth.is_loopback(host):
-            raise auth.AuthError(
-                f"refusing to listen on non-loopback {host} without a shared secret: set "
-                f"{auth.SECRET_ENV} or --secret-file (or pass --insecure on a trusted network)")
+        auth.check_listener(host, secret, allow_insecure)
         self.pool = pool
         self.layout = pool.layout
         self.backend = backend

@@ -2,9 +2,10 @@
 
 ``serve_prefill`` answers every room a decode node announces as if it had just computed it: it
 allocates fragmented pages, fills every layer of both caches with the deterministic pattern of
-``pattern.py`` and sends them in chunks. ``drive_decode`` issues requests of varied lengths,
-keeps several in flight, and checks every received byte of every layer against the same pattern,
-and that pages no request owns still hold the sentinel.
+``pattern.py`` (the stand-in for the model's forward pass, timed in a ``PrefillReport``) and
+sends them in chunks. ``drive_decode`` issues requests of varied lengths, keeps several in
+flight, and checks every received byte of every layer against the same pattern, and that pages
+no request owns still hold the sentinel.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dsa_bridge.transfer.decode import DecodeNode, KVReceiver
 from dsa_bridge.transfer.pattern import SENTINEL, expected_pages
 from dsa_bridge.transfer.prefill import IncomingRoom, PrefillNode
 from dsa_bridge.transfer.request import KVPoll
+from dsa_bridge.transfer.summary import busy_seconds, gbps
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +88,29 @@ def chunks_of(pages: np.ndarray, chunk_pages: int) -> list[np.ndarray]:
     return [pages[i:i + chunk_pages] for i in range(0, pages.size, chunk_pages)]
 
 
+@dataclass
+class PrefillReport:
+    """What the stand-in model did: requests filled, their bytes, the seconds filling took, and,
+    when ``ready_at`` is a dict, the ``time.monotonic()`` at which each room's pages were ready
+    (filled; the chunks are handed to the node right after)."""
+
+    requests: int = 0
+    fill_bytes: int = 0
+    fill_seconds: float = 0.0
+    ready_at: dict[int, float] | None = None
+
+    @property
+    def fill_gbps(self) -> float:
+        return self.fill_bytes / self.fill_seconds / 1e9 if self.fill_seconds > 0 else 0.0
+
+
 def serve_prefill(node: PrefillNode, stop: threading.Event, *, chunk_pages: int = 64,
-                  seed: int = 1) -> None:
-    """Answer announced rooms until ``stop`` is set."""
+                  seed: int = 1, report: PrefillReport | None = None) -> PrefillReport:
+    """Answer announced rooms until ``stop`` is set; ``report`` (or a new one, returned) gets
+    the stand-in's fill times as they happen."""
+    if chunk_pages < 1:
+        raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
+    report = PrefillReport() if report is None else report
     allocator = PageAllocator(node.pool.num_kv_pages, seed=seed)
     waiting: collections.deque[IncomingRoom] = collections.deque()
     active = []
@@ -110,7 +132,14 @@ def serve_prefill(node: PrefillNode, stop: threading.Event, *, chunk_pages: int 
             if pages is None:
                 break
             waiting.popleft()
+            started = time.monotonic()
             fill_request(node.pool, room.room, pages)
+            ready = time.monotonic()
+            report.requests += 1
+            report.fill_bytes += request_bytes(node.pool, pages.size)
+            report.fill_seconds += ready - started
+            if report.ready_at is not None:
+                report.ready_at[room.room] = ready
             sender = node.sender(room.room)
             sender.init(pages.size)
             for chunk in chunks_of(pages, chunk_pages):
@@ -123,6 +152,7 @@ def serve_prefill(node: PrefillNode, stop: threading.Event, *, chunk_pages: int 
             else:
                 still.append((sender, pages))
         active = still
+    return report
 
 
 @dataclass
@@ -135,28 +165,28 @@ class DecodeReport:
     failures: list[str] = field(default_factory=list)
     sentinel_intact: bool = True
     seconds: float = 0.0
-    intervals: list[tuple[float, float]] = field(default_factory=list)
+    times: dict[int, tuple[float, float]] = field(default_factory=dict)  # room: (init, Success)
     engine_seconds: float = 0.0
+    verify_seconds: float = 0.0  # checking received bytes, refilling released pages' sentinel
 
     @property
-    def transfer_seconds(self) -> float:
+    def request_seconds(self) -> float:
         """Wall time during which at least one verified request was between ``init`` (decode
-        sent its pages) and Success (the last chunk's report arrived)."""
-        total, end = 0.0, float("-inf")
-        for start, stop in sorted(self.intervals):
-            total += max(0.0, stop - max(start, end))
-            end = max(end, stop)
-        return total
+        sent its pages) and Success (the last chunk's report arrived): prefill's time to
+        produce the pages included."""
+        return busy_seconds(self.times.values())
 
     @property
-    def gbps(self) -> float:
-        seconds = self.transfer_seconds
-        return self.bytes_verified / seconds / 1e9 if seconds > 0 else 0.0
+    def request_gbps(self) -> float:
+        return gbps(self.bytes_verified, self.request_seconds)
 
     @property
     def engine_gbps(self) -> float:
-        seconds = self.engine_seconds
-        return self.bytes_verified / seconds / 1e9 if seconds > 0 else 0.0
+        return gbps(self.bytes_verified, self.engine_seconds)
+
+    @property
+    def verify_gbps(self) -> float:
+        return gbps(self.bytes_verified, self.verify_seconds)
 
     @property
     def ok(self) -> bool:
@@ -209,12 +239,14 @@ def drive_decode(node: DecodeNode, lengths: list[int], *, concurrency: int = 4, 
         for room, (receiver, pages) in list(active.items()):
             status = receiver.poll()
             if status == KVPoll.Success:
+                checking = time.monotonic()
                 bad = count_mismatches(pool, room, pages, receiver.components)
+                report.verify_seconds += time.monotonic() - checking
                 report.bytes_mismatched += bad
                 report.bytes_verified += request_bytes(pool, pages.size, receiver.components)
                 report.requests_ok += bad == 0
                 report.requests_failed += bad != 0
-                report.intervals.append((receiver.started_at, receiver.state.finished_at))
+                report.times[room] = (receiver.started_at, receiver.state.finished_at)
                 report.engine_seconds += receiver.write_seconds
                 if bad:
                     report.failures.append(f"room {room}: {bad} bytes differ")
@@ -225,8 +257,10 @@ def drive_decode(node: DecodeNode, lengths: list[int], *, concurrency: int = 4, 
                 continue
             del active[room]
             held.append((receiver, pages))
+        releasing = time.monotonic()
         release_settled(node, allocator, held)
         now = time.monotonic()
+        report.verify_seconds += now - releasing
         if progress and now >= next_progress:
             next_progress = now + 1.0
             print(f"[decode] {report.requests_ok}/{report.requests} ok, {report.requests_failed} "

@@ -1,4 +1,5 @@
-"""The engine-free parts of the backends: region lookup, NIXL descriptor grouping, env defaults."""
+"""The engine-free parts of the backends: region lookup, NIXL descriptor grouping, env defaults,
+Mooncake's start-up log."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from dsa_bridge.transfer.backends import RegionTable, check_write_args, env_defaults
 from dsa_bridge.transfer.backends.base import BackendError, MemoryRegion
+from dsa_bridge.transfer.backends.mooncake import startup_log
 from dsa_bridge.transfer.backends.nixl import _xfer_lists
 
 U64 = np.uint64
@@ -76,3 +78,13 @@ def test_write_arrays_come_back_as_uint64() -> None:
 
 def test_touching_destination_ranges_are_not_an_overlap() -> None:
     check_write_args("test", "peer", np.array([8, 100], U64), np.array([16, 20], U64), np.array([4, 4], U64))
+
+
+def test_mooncake_start_up_log_loses_only_the_benign_line() -> None:
+    preamble = "WARNING: Logging before InitGoogleLogging() is written to STDERR\n"
+    benign = "E1203 12:36:17.702786  5564 transfer_metadata.cpp:1098] Local segment descriptor not found\n"
+    real = "E1203 12:36:17.702999  5564 transfer_engine_impl.cpp:150] P2P: No valid port found\n"
+    assert startup_log(preamble + benign) == ""
+    assert startup_log(preamble + benign + real) == preamble + real
+    assert startup_log("other output\n" + benign) == "other output\n"
+    assert startup_log(benign.replace("Local", "Remote")) == benign.replace("Local", "Remote")

@@ -23,6 +23,12 @@ Facts this module is built on (Mooncake 0.3.13, measured on our machines, see do
   into a private scratch buffer, which closes every dead lane and writes nothing but that buffer.
 - Its two listeners (handshake ``0.0.0.0``, data ``[::]``) bind every interface, and no setting
   changes that; only their port range can be set (``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``).
+- ``initialize`` logs ``E... transfer_metadata.cpp:...] Local segment descriptor not found`` on
+  every healthy start in P2P-handshake mode: the TCP transport's ``allocateLocalSegmentID`` looks
+  up its own segment (``getSegmentDesc``) before it creates it, logs at ERROR when the lookup
+  finds none, and creates it. No order of our calls avoids it, and hiding ERROR for the whole
+  process would hide real errors too, so the engine's stderr is captured during ``initialize``
+  only and passed on without that one line (``startup_log``).
 
 Thread safety: the engine is thread-safe for submission and status (it has its own locks); this
 class guards its own bookkeeping with a lock and serialises writes per peer.
@@ -30,12 +36,16 @@ class guards its own bookkeeping with a lock and serialises writes per peer.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import re
+import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +63,41 @@ from .base import BackendError, BackendUnavailable, MemoryRegion, TransferTimeou
 log = logging.getLogger(__name__)
 
 _SESSION = re.compile(r"^(\d{1,3}(?:\.\d{1,3}){3}):(\d{1,5})$")
+_GLOG_LINE = re.compile(r"^[IWEF]\d{4} ")
+_BENIGN_STARTUP = re.compile(
+    r"^E\d{4} [\d:.]+ +\d+ transfer_metadata\.cpp:\d+\] Local segment descriptor not found$")
+_GLOG_PREAMBLE = "WARNING: Logging before InitGoogleLogging() is written to STDERR"
+
+
+def startup_log(text: str) -> str:
+    """What the engine printed while it started, less the benign "Local segment descriptor not
+    found" line (and glog's preamble, when no other glog line is left to introduce)."""
+    lines = [line for line in text.splitlines(keepends=True)
+             if not _BENIGN_STARTUP.match(line.rstrip("\r\n"))]
+    if not any(_GLOG_LINE.match(line) for line in lines):
+        lines = [line for line in lines if line.rstrip("\r\n") != _GLOG_PREAMBLE]
+    return "".join(lines)
+
+
+@contextlib.contextmanager
+def _startup_stderr() -> Iterator[None]:
+    """File descriptor 2 into a temporary file for the block, then its text, through
+    ``startup_log``, onto the real stderr (nothing written meanwhile is lost, only delayed)."""
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as capture:
+        saved = os.dup(2)
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            kept = startup_log(capture.read().decode(errors="replace"))
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()
 
 
 def _is_ipv4(text: str) -> bool:
@@ -139,7 +184,8 @@ class MooncakeBackend:
             engine_class = _import_engine()
             forced_tcp = "MC_FORCE_TCP" in os.environ  # any value counts, as in the engine
             engine = engine_class()
-            rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+            with _startup_stderr():
+                rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
             raise BackendUnavailable(self.name, "initialize", f"engine did not start on {host}", code=rc)
         self._transport = "rdma" if devices and not forced_tcp else "tcp"

@@ -1,0 +1,246 @@
+"""Validation of the launcher's options, before any pool is allocated or engine started.
+
+One argparse ``type=`` function per kind of value (``positive_int``, ``timeout_seconds``,
+``listen_endpoint``, ...): argparse names the option in its message. ``check_options`` then runs
+the checks that need several options at once (pool size against page size and memory, the model
+config, the listener's secret, Mooncake's IPv4) and raises ``OptionError`` naming the option.
+``Parser`` prints every error on one line; either way the exit code is 2.
+
+Host names are resolved here, once, to a numeric address (IPv4 first: Mooncake takes nothing
+else), so the engines and the control plane only ever see numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import math
+import os
+import socket
+from pathlib import Path
+
+from dsa_bridge.transfer import auth
+from dsa_bridge.transfer.control import parse_endpoint
+
+MAX_REQUESTS = 1_000_000  # request lengths are drawn up front, one int64 each
+MAX_LAYERS = 4096  # a layout holds one id per layer; real models have fewer than 200
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class OptionError(ValueError):
+    """Options that do not go together; the message starts with the option's name."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``dsa-bridge decode: error: argument --x: ...``
+    (subparsers inherit the class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def request_count(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_REQUESTS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_REQUESTS}, got {text!r}")
+    return value
+
+
+def power_of_two(text: str) -> int:
+    value = positive_int(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (``nan``, ``inf``, 0 and negatives are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def timeout_seconds(text: str) -> float:
+    """Seconds: finite and > 0."""
+    try:
+        return positive_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of seconds > 0, got {text!r}") from None
+
+
+def log_level(text: str) -> str:
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return text.upper()
+
+
+def numeric_host(host: str) -> str:
+    """``host`` as a numeric address: itself if it is one, else the first IPv4 address it
+    resolves to, else its first IPv6 address."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    try:
+        found = [info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
+    except (OSError, UnicodeError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"cannot resolve host {host!r}: {getattr(exc, 'strerror', None) or exc}") from None
+    return next((a for a in found if ":" not in a), found[0])
+
+
+def engine_host(text: str) -> str:
+    return numeric_host(text.strip("[]"))
+
+
+def _endpoint(text: str, lowest_port: int) -> str:
+    try:
+        host, port = parse_endpoint(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be HOST:PORT with a numeric port, got {text!r}") from None
+    if port < lowest_port:
+        raise argparse.ArgumentTypeError(f"port must be in {lowest_port}..65535, got {text!r}")
+    address = numeric_host(host)
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def listen_endpoint(text: str) -> str:
+    """HOST:PORT to listen on (port 0: any free port), the host made numeric."""
+    return _endpoint(text, 0)
+
+
+def peer_endpoint(text: str) -> str:
+    """HOST:PORT of a peer (port 1..65535), the host made numeric."""
+    return _endpoint(text, 1)
+
+
+def peer_endpoints(text: str) -> str:
+    """One peer endpoint, or several separated by commas (pipeline stages), each made numeric."""
+    return ",".join(peer_endpoint(part) for part in text.split(","))
+
+
+def output_file(text: str) -> str:
+    """A file we will write: its directory must exist and be writable."""
+    directory = Path(text).parent
+    if not directory.is_dir():
+        raise argparse.ArgumentTypeError(f"directory {str(directory)!r} does not exist")
+    if not os.access(directory, os.W_OK):
+        raise argparse.ArgumentTypeError(f"directory {str(directory)!r} is not writable")
+    return text
+
+
+def output_dir(text: str) -> str:
+    """A directory we will create if needed and write into."""
+    path = Path(text)
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{str(existing)!r} is not a directory")
+    if not os.access(existing, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{str(existing)!r} is not writable")
+    return text
+
+
+def secret_file(text: str) -> str:
+    """A readable file whose first line is the shared secret."""
+    try:
+        auth.load_secret(text)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {exc.strerror}") from None
+    except auth.AuthError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def choice_list(choices: tuple[str, ...]):
+    """A comma-separated list of some of ``choices`` (at least one)."""
+
+    def parse(text: str) -> list[str]:
+        chosen = [item for item in text.split(",") if item]
+        if not chosen or set(chosen) - set(choices):
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)}, got {text!r}")
+        return chosen
+
+    return parse
+
+
+# ---- checks across options (after parsing) -------------------------------------------------
+
+def host_of(endpoint: str) -> str:
+    return parse_endpoint(endpoint)[0]
+
+
+def check_layout(args, make_layout) -> None:
+    """--model (and the options ``make_layout(args) -> (config, layout)`` reads) describe a pool
+    that can be built with --pool-tokens and, for the commands that allocate one, fits in this
+    machine's memory."""
+    from dsa_bridge.plugin import sizing
+    from dsa_bridge.plugin.layout import load_model_config
+
+    try:
+        layers = load_model_config(args.model).get("num_hidden_layers")
+        if isinstance(layers, int) and layers > MAX_LAYERS:  # before a layout of that size
+            raise OptionError(f"num_hidden_layers is {layers}; at most {MAX_LAYERS} are supported")
+        _, layout = make_layout(args)
+    except ValueError as exc:
+        raise OptionError(f"--model {args.model}: {exc}") from None
+    if args.pool_tokens % args.page_size:
+        raise OptionError(f"--pool-tokens must be a multiple of --page-size ({args.page_size}), "
+                          f"got {args.pool_tokens}")
+    pools = {"prefill": 1, "decode": 1, "demo": 2}.get(args.command, 0)
+    need = pools * sizing.allocation_bytes(layout, args.pool_tokens)
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > have:
+        what = "two pools (prefill and decode) need" if pools == 2 else "the pool needs"
+        raise OptionError(f"--pool-tokens {args.pool_tokens}: {what} {need / 2**30:.1f} GiB "
+                          f"for {args.model} ({layout.num_layers} layers); this machine has "
+                          f"{have / 2**30:.1f} GiB of memory")
+
+
+def check_mooncake_ipv4(args, option: str, host: str) -> None:
+    if args.backend == "mooncake" and ":" in host:
+        raise OptionError(f"{option}: mooncake takes IPv4 addresses only, got {host}")
+
+
+def check_options(args, make_layout) -> None:
+    """Every check that needs more than one option; raises OptionError naming the option.
+    ``make_layout(args) -> (config, layout)`` is the launcher's own."""
+    if hasattr(args, "pool_tokens"):
+        check_layout(args, make_layout)
+    if args.command == "prefill":
+        host = host_of(args.listen)
+        check_mooncake_ipv4(args, "--listen", host)
+        try:
+            auth.check_listener(host, auth.load_secret(args.secret_file), args.insecure)
+        except auth.AuthError as exc:
+            raise OptionError(f"--listen {args.listen}: {exc}") from None
+    if args.command == "decode":
+        for endpoint in args.prefill.split(","):
+            check_mooncake_ipv4(args, "--prefill", host_of(endpoint))
+        if args.engine_host:
+            check_mooncake_ipv4(args, "--engine-host", args.engine_host)

@@ -222,7 +222,8 @@ def test_prefill_exits_cleanly_on_sigterm(listen):
 
 def decode_summary(**figures):
     summary = {"requests": 2, "requests_ok": 2, "requests_failed": 0, "bytes_verified": 4_000_000,
-               "layers": 61, "backend": "mooncake", "transport": "tcp", "seconds": 3.0,
+               "layers": 61, "indexer_layers": 61, "backend": "mooncake", "transport": "tcp",
+               "seconds": 3.0,
                "gbps": None, "transfer_seconds": None, "fill_gbps": None, "fill_seconds": None,
                "engine_gbps": 2.0, "request_gbps": 1.0, "request_seconds": 4.0,
                "verify_gbps": 0.5, "verify_seconds": 8.0, "failures": [], "ok": True}

@@ -228,7 +228,8 @@ def test_malformed_messages_to_a_live_decode_node(caplog, ledger):
                 fake.send(message)
             wait_until(lambda: node.counters.snapshot()["bad_messages"] == len(bad), 60,
                        "every malformed message counted")
-            fake.send(protocol.encode(protocol.ChunkDone(9, 0, ok=True, last=True, nbytes=1)))
+            part = 2 * node.peers[0].page_bytes  # the request's two pages, every buffer
+            fake.send(protocol.encode(protocol.ChunkDone(9, 0, ok=True, last=True, nbytes=part)))
             wait_until(lambda: settled(receiver), 10, "the request after the fuzz")
             assert receiver.poll() == KVPoll.Success  # still serving
     finally:

@@ -4,6 +4,7 @@ modules this tier uses importable through the shims of conftest.py (and only tho
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import pytest
 import torch

@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 
 from dsa_bridge.plugin import DSALayout, DSATokenToKVPool, load_model_config
-from dsa_bridge.transfer.backends import BACKENDS, create_backend
+from dsa_bridge.transfer.backends import create_backend
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.handshake import HandshakeError
 from dsa_bridge.transfer.request import KVPoll
 from dsa_bridge.transfer.roles import count_mismatches, request_bytes, reset_pages, sentinel_intact
 
-from ..conftest import require_engine
 from ..transfer.helpers import wait_for
 from .processes import PrefillProcess
 
@@ -36,12 +35,6 @@ def decode_pool(indexer_layout: str = "uniform") -> DSATokenToKVPool:
     pool = DSATokenToKVPool.from_layout(glm(indexer_layout), size=TOKENS)
     reset_pages(pool, np.arange(pool.num_kv_pages))
     return pool
-
-
-@pytest.fixture(params=BACKENDS, scope="module")
-def backend(request):
-    require_engine(request.param)
-    return request.param
 
 
 def start_prefill(tmp, backend, *extra):

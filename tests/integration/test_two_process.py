@@ -38,12 +38,6 @@ def decode_pool(layout=DEEPSEEK, tokens=POOL_TOKENS):
     return pool
 
 
-@pytest.fixture(params=BACKENDS, scope="module")
-def backend(request):
-    require_engine(request.param)
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def prefill(backend, tmp_path_factory):
     node = PrefillProcess(tmp_path_factory.mktemp("prefill"), backend, "--pool-tokens",

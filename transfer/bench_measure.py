@@ -393,24 +393,29 @@ class Memcpy:
             self._src = np.full(nbytes, 1, dtype=np.uint8)
             self._dst = np.full(nbytes, 2, dtype=np.uint8)
 
-    def seconds(self, nbytes: int, *, fresh: bool = False) -> float:
-        """Seconds of the memmove; ``fresh``: into a new torch allocation, which pays its page
-        faults too — the limit for an operation that allocates its result (``get_cpu_copy``)."""
+    def seconds(self, nbytes: int) -> float:
+        """Seconds of the memmove."""
         self._buffers(nbytes)
-        dst = torch.empty(nbytes, dtype=torch.uint8).numpy() if fresh else self._dst
         start = time.perf_counter()
-        ctypes.memmove(dst.ctypes.data, self._src.ctypes.data, nbytes)
+        ctypes.memmove(self._dst.ctypes.data, self._src.ctypes.data, nbytes)
         return time.perf_counter() - start
 
-    def pieces_seconds(self, pieces: list[int]) -> float:
-        """Seconds of one memmove per piece, back to back through the scratch buffers: the same
-        bytes cut as a pool holds them (per layer and cache part). glibc picks its copy method by
-        size, so on some machines many pieces copy slower than one block of their sum."""
+    def pieces_seconds(self, pieces: list[int], *, fresh: bool = False) -> float:
+        """Seconds of one memmove per piece, back to back: the same bytes cut as a pool holds
+        them (per layer and cache part). glibc picks its copy method by size, so on some
+        machines many pieces copy slower than one block of their sum. ``fresh``: into new torch
+        allocations of those sizes, allocated while timed — what ``get_cpu_copy`` does for its
+        result, so both get from the allocator what it gives (recycled memory or new pages that
+        fault in)."""
         self._buffers(sum(pieces))
-        src, dst, at = self._src.ctypes.data, self._dst.ctypes.data, 0
+        src, dst, at, kept = self._src.ctypes.data, self._dst.ctypes.data, 0, []
         start = time.perf_counter()
         for nbytes in pieces:
-            ctypes.memmove(dst + at, src + at, nbytes)
+            target = dst + at
+            if fresh:
+                kept.append(torch.empty(nbytes, dtype=torch.uint8))
+                target = kept[-1].data_ptr()
+            ctypes.memmove(target, src + at, nbytes)
             at += nbytes
         return time.perf_counter() - start
 
@@ -574,8 +579,8 @@ def pool_op_rows(pool: DSATokenToKVPool, memcpy: Memcpy, pattern: str, tokens: i
     pieces. Warm on both sides: the pool, the copy ``load_cpu_copy`` reads and the one
     ``get_cpu_copy`` writes into (``out=``, reused as a host cache pool does) and the memmove's
     buffers have all been written before. ``get_cpu_copy`` without ``out`` allocates its result,
-    so it is also set against a memmove into a fresh allocation: cold on both sides. Ratios are
-    medians of the back-to-back pairs."""
+    so it is also set against memmoves of the pieces into new allocations of theirs: fresh on
+    both sides. Ratios are medians of the back-to-back pairs."""
     src, tgt = token_locs(pattern, tokens)
     copy = pool.get_cpu_copy(src)
     lay = pool.layout
@@ -600,7 +605,7 @@ def pool_op_rows(pool: DSATokenToKVPool, memcpy: Memcpy, pattern: str, tokens: i
                 start = time.perf_counter()
                 pool.get_cpu_copy(src)
                 fresh.append(time.perf_counter() - start)
-                fresh_copies.append(memcpy.seconds(nbytes, fresh=True))
+                fresh_copies.append(memcpy.pieces_seconds(pieces, fresh=True))
         op_s = statistics.median(seconds)
         row = {"op": op, "pattern": pattern, "tokens": tokens, "layers": lay.num_layers,
                "threads": torch.get_num_threads(), "bytes": nbytes, "seconds": op_s,

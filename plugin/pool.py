@@ -32,6 +32,9 @@ GUARD_ALIGN = 8  # guard_bytes must keep every carved buffer aligned for its dty
 DEFAULT_CHUNK_TOKENS = 8192
 MIN_RUN_BYTES = 32 * 1024  # from this mean run size on, row runs are copied as slices
 POOL_BUFFERS = "the pool's buffers"
+# helper threads share an operation's copies only from this mean size of a copy on: below it the
+# copies are too short to release the GIL for long, and two threads only pass it back and forth
+MIN_SHARED_COPY_BYTES = 256 * 1024
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -446,11 +449,13 @@ class DSATokenToKVPool:
                 raise ValueError(f"{name} has duplicate locations")
         return locs
 
-    def _run(self, tasks: list[Callable[[], None]]) -> None:
-        """Independent copies: on the CPU shared among ``torch.get_num_threads()`` threads (the
-        caller and helpers, ``plugin.workers``); on a device one after another."""
-        threads = torch.get_num_threads() if self.kv_buffer[0].device.type == "cpu" else 1
-        run_tasks(tasks, threads)
+    def _run(self, tasks: list[Callable[[], None]], tokens: int) -> None:
+        """Independent copies of ``tokens`` tokens' cache: on the CPU shared among
+        ``torch.get_num_threads()`` threads (the caller and helpers, ``plugin.workers``) when
+        they are long enough; on a device one after another."""
+        shared = (self.kv_buffer[0].device.type == "cpu"
+                  and tokens * self.layout.bytes_per_token >= MIN_SHARED_COPY_BYTES * len(tasks))
+        run_tasks(tasks, torch.get_num_threads() if shared else 1)
 
     @staticmethod
     def _overlap(tgt: torch.Tensor, src: torch.Tensor) -> bool:
@@ -476,7 +481,7 @@ class DSATokenToKVPool:
         if not self._overlap(tgt, src):  # disjoint: straight across, every layer at once
             copies = [_row_copy(t, s, w) for t, s, w in zip(tgt_rows, src_rows, widths, strict=True)]
             self._run([functools.partial(copy, view, view) for views in layers
-                       for copy, view in zip(copies, views, strict=True)])
+                       for copy, view in zip(copies, views, strict=True)], tgt.numel())
             return
         # overlapping: each cache part's sources are first gathered into a snapshot, reused by
         # every layer in turn
@@ -529,7 +534,7 @@ class DSATokenToKVPool:
                         copy.index_scales[i][start:end])
                 tasks += [functools.partial(row_copy, _rows(t, *part), view)
                           for row_copy, view, t, part in zip(copies, views, outs, parts, strict=True)]
-            self._run(tasks)
+            self._run(tasks, chunk.numel())
         return copy
 
     def _check_copy(self, copy: Any, name: str = "copy", *, writable: bool = False) -> None:
@@ -596,4 +601,4 @@ class DSATokenToKVPool:
                 saved = (copy.kv[i], copy.index_keys[i], copy.index_scales[i])
                 tasks += [functools.partial(_load_rows, row_copy, view, t[start:end], part, dev)
                           for row_copy, view, t, part in zip(copies, views, saved, parts, strict=True)]
-            self._run(tasks)
+            self._run(tasks, chunk.numel())

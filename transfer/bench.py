@@ -181,10 +181,11 @@ def print_tables(report: dict) -> None:
         print(f"{r['tokens']:>12} {r['pattern']:10} {r['descriptors']:>11} "
               f"{r['seconds'] * 1e6:>9.1f}  {shares}")
     print(f"\n{'pool op':14} {'pattern':10} {'tokens':>6} {'GB/s':>6} {'memcpy':>6} {'ratio':>5} "
-          f"{'pieces':>6} {'ratio':>5}  into fresh memory (op, memcpy, ratio)")
+          f"{'pieces':>6} {'ratio':>5}  into new allocations (op, memcpy, ratio, page faults)")
     for r in report["pool_ops"]:
         fresh = (f"{r['fresh_gbps']:>5.2f} {r['fresh_memcpy_gbps']:>5.2f} GB/s "
-                 f"{r['ratio_vs_fresh_memcpy']:>5.2f}x" if "fresh_memcpy_gbps" in r else "")
+                 f"{r['ratio_vs_fresh_memcpy']:>5.2f}x, faults {r['fresh_faults']:.0f} / "
+                 f"{r['fresh_memcpy_faults']:.0f}" if "fresh_memcpy_gbps" in r else "")
         print(f"{r['op']:14} {r['pattern']:10} {r['tokens']:>6} {r['gbps']:>6.2f} "
               f"{r['memcpy_gbps']:>6.1f} {r['ratio_vs_memcpy']:>5.2f} {r['pieces_memcpy_gbps']:>6.1f} "
               f"{r['ratio_vs_pieces_memcpy']:>5.2f}  {fresh}")

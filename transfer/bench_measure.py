@@ -33,6 +33,7 @@ import argparse
 import ctypes
 import gc
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -594,7 +595,7 @@ def pool_op_rows(pool: DSATokenToKVPool, memcpy: Memcpy, pattern: str, tokens: i
     for op, run in ops.items():
         run()
         run()
-        seconds, copies, in_pieces, fresh, fresh_copies = [], [], [], [], []
+        seconds, copies, in_pieces, fresh, fresh_copies, faults = [], [], [], [], [], []
         for _ in range(repeat):
             start = time.perf_counter()
             run()
@@ -602,10 +603,12 @@ def pool_op_rows(pool: DSATokenToKVPool, memcpy: Memcpy, pattern: str, tokens: i
             copies.append(memcpy.seconds(nbytes))
             in_pieces.append(memcpy.pieces_seconds(pieces))
             if op == "get_cpu_copy":
-                start = time.perf_counter()
+                before, start = minor_faults(), time.perf_counter()
                 pool.get_cpu_copy(src)
                 fresh.append(time.perf_counter() - start)
+                middle = minor_faults()
                 fresh_copies.append(memcpy.pieces_seconds(pieces, fresh=True))
+                faults.append((middle - before, minor_faults() - middle))
         op_s = statistics.median(seconds)
         row = {"op": op, "pattern": pattern, "tokens": tokens, "layers": lay.num_layers,
                "threads": torch.get_num_threads(), "bytes": nbytes, "seconds": op_s,
@@ -619,11 +622,19 @@ def pool_op_rows(pool: DSATokenToKVPool, memcpy: Memcpy, pattern: str, tokens: i
             row["fresh_gbps"] = gbps(nbytes, statistics.median(fresh))
             row["fresh_memcpy_gbps"] = gbps(nbytes, statistics.median(fresh_copies))
             row["ratio_vs_fresh_memcpy"] = pair_ratio(fresh_copies, fresh)
+            # page faults per call (4 KiB pages: ~bytes / 4096 when the memory was new)
+            row["fresh_faults"] = statistics.median(f for f, _ in faults)
+            row["fresh_memcpy_faults"] = statistics.median(f for _, f in faults)
         rows.append(row)
         progress(f"pool {op} {pattern} {tokens} tokens: {row['gbps']:.2f} GB/s, "
                  f"{row['ratio_vs_memcpy']:.2f}x memcpy, {row['ratio_vs_pieces_memcpy']:.2f}x "
                  f"memcpy in pieces")
     return rows
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far (first touches of new memory)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def pair_ratio(baseline: list[float], measured: list[float]) -> float:

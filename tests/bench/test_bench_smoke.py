@@ -2,7 +2,8 @@
 
 Benchmarks are not timed tests: this checks that the report has every key, that every figure is
 positive and every descriptor count exact, that stdout holds nothing but the JSON (NIXL and UCX
-log to stdout), and that the plots are written — never how fast anything is.
+log to stdout), and that the plots are written — never how fast anything is. And that the quick
+and full runs measure the pool on the request length the docs report.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def test_tiny_bench_reports_every_figure(tmp_path):
         assert len(row["samples_s"]) == len(row["memcpy_samples_s"]) >= 3
         if row["op"] == "get_cpu_copy":
             assert row["fresh_gbps"] > 0 and row["ratio_vs_fresh_memcpy"] > 0
+            assert {"fresh_faults", "fresh_memcpy_faults"} <= row.keys()
 
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [
         "bench_gbps_vs_length.png", "bench_plan_cost.png"]

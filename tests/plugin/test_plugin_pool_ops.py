@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsa_bridge.plugin import CpuCopy, DSALayout, DSATokenToKVPool
+from dsa_bridge.plugin import pool as pool_module
 
 PAGE = 64
 SIZE = 4 * PAGE
@@ -69,13 +70,16 @@ def locs(values) -> torch.Tensor:
 
 @contextlib.contextmanager
 def torch_threads(threads: int):
-    """The pool's CPU copies share their work among ``torch.get_num_threads()`` threads."""
-    saved = torch.get_num_threads()
+    """The pool's CPU copies share their work among ``torch.get_num_threads()`` threads; here
+    however short they are (these pools are small)."""
+    saved = torch.get_num_threads(), pool_module.MIN_SHARED_COPY_BYTES
     torch.set_num_threads(threads)
+    pool_module.MIN_SHARED_COPY_BYTES = 0
     try:
         yield
     finally:
-        torch.set_num_threads(saved)
+        torch.set_num_threads(saved[0])
+        pool_module.MIN_SHARED_COPY_BYTES = saved[1]
 
 
 def copy_bytes(copy) -> dict:
@@ -118,6 +122,23 @@ def test_move_kv_cache_matches_oracle(pool_bytes, move, seed, threads):
     with torch_threads(threads):
         pool.move_kv_cache(locs(tgt), locs(src))
     pool_bytes.assert_equal(pool, oracle_move(LAYOUT, before, tgt, src))
+
+
+def test_copies_are_shared_among_threads_only_when_long_enough(pool_bytes, monkeypatch):
+    """Short copies stay on the calling thread (two threads would only pass the GIL back and
+    forth); long ones are shared among torch.get_num_threads() threads."""
+    calls = []
+    monkeypatch.setattr(pool_module, "run_tasks",
+                        lambda tasks, threads: calls.append((len(tasks), threads)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    pool = make_pool(pool_bytes)
+    request = locs(range(PAGE, 3 * PAGE))  # 128 tokens, 6 copies of 34 KB on average
+    pool.move_kv_cache(request + 2 * PAGE, request)
+    pool.get_cpu_copy(request)
+    monkeypatch.setattr(pool_module, "MIN_SHARED_COPY_BYTES", 128 * LAYOUT.bytes_per_token // 6)
+    pool.move_kv_cache(request + 2 * PAGE, request)
+    pool.load_cpu_copy(pool.get_cpu_copy(request, chunk_size=64), request, chunk_size=128)
+    assert calls == [(6, 1), (6, 1), (6, 3), (6, 1), (6, 1), (6, 3)]
 
 
 @pytest.mark.parametrize("threads", [1, 2])

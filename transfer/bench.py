@@ -196,8 +196,8 @@ def print_tables(report: dict) -> None:
     print(f"pool_vs_memcpy (bulk patterns, median, {report['pool_threads']} threads): "
           f"{report['pool_vs_memcpy']}; lowest: {report['pool_vs_memcpy_lowest']}; against "
           f"memcpy in the pool's pieces: {report['pool_vs_pieces_memcpy']}")
-    print(f"get_cpu_copy against a memmove into fresh memory (bulk, median): "
-          f"{report['get_cpu_copy_vs_fresh_memcpy']:.2f}")
+    print(f"get_cpu_copy into new host memory against memmoves into new allocations of the same "
+          f"pieces (bulk, median): {report['get_cpu_copy_vs_fresh_memcpy']:.2f}")
     print(f"targets met: {report['targets_met']}")
 
 

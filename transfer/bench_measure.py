@@ -24,7 +24,7 @@ End-to-end, raw and memcpy runs are interleaved, their order alternating between
 
 Planning is timed on hand-built buffers (the planner only does address math, so a 128K-token
 request needs no memory); the pool operations on a real DeepSeek-V3.2 pool, against one memmove
-of the same number of bytes.
+of the same number of bytes and against memmoves of them in the pieces the pool holds them in.
 """
 
 from __future__ import annotations

@@ -538,9 +538,9 @@ class DSATokenToKVPool:
         return copy
 
     def _check_copy(self, copy: Any, name: str = "copy", *, writable: bool = False) -> None:
-        """A CpuCopy of this layout, every tensor of its shape and dtype, on the CPU or the pool's
-        device; ``writable`` (``out=``): contiguous CPU tensors that overlap neither each other nor
-        the pool's buffers."""
+        """A CpuCopy of this layout, every tensor of its shape and dtype and holding bytes (not
+        on meta); ``writable`` (``out=``): contiguous CPU tensors that overlap neither each other
+        nor the pool's buffers."""
         if not isinstance(copy, CpuCopy):
             raise TypeError(f"{name} must be a CpuCopy from get_cpu_copy, got {type(copy).__name__}")
         diff = self.layout.first_difference(copy.layout)
@@ -564,9 +564,10 @@ class DSATokenToKVPool:
                     raise TypeError(f"{label} must be a torch.Tensor, got {type(t).__name__}")
                 if tuple(t.shape) != shape or t.dtype != dtype:
                     raise ValueError(f"{label} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
-                homes = ("cpu",) if writable else ("cpu", self.kv_buffer[0].device.type)
-                if t.device.type not in homes:
-                    raise ValueError(f"{label} is on {t.device}, expected {' or '.join(homes)}")
+                if writable and t.device.type != "cpu":
+                    raise ValueError(f"{label} is on {t.device}, expected cpu")
+                if t.is_meta:
+                    raise ValueError(f"{label} is on meta, which holds no bytes")
                 if writable and not t.is_contiguous():
                     raise ValueError(f"{label} is not contiguous")
                 spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), label))

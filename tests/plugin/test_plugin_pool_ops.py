@@ -439,7 +439,7 @@ BAD_CALLS = [
     (lambda p, b: p.load_cpu_copy(with_tensor(p.get_cpu_copy(locs([70, 71])), "index_scales", 1,
                                               torch.zeros(2, 4, dtype=torch.uint8, device="meta")),
                                   locs([72, 73])), ValueError,
-     r"copy.index_scales\[1\] is on meta, expected cpu"),
+     r"copy.index_scales\[1\] is on meta, which holds no bytes"),
     (lambda p, b: p.load_cpu_copy(with_tensor(p.get_cpu_copy(locs([70, 71])), "kv", 0, [0, 1]),
                                   locs([72, 73])), TypeError, r"copy.kv\[0\] must be a torch.Tensor"),
     (lambda p, b: p.load_cpu_copy(

@@ -2,7 +2,8 @@
 
 Reading order: ``layout`` (geometry, byte math, layout hash, presets) -> ``sizing`` (bytes per
 token, capacity, allocation) -> ``descriptors`` (registered buffers and their validation) ->
-``pool`` (the SGLang-compatible ``DSATokenToKVPool``, uniform or compact).
+``pool`` (the SGLang-compatible ``DSATokenToKVPool``, uniform or compact; ``workers`` shares
+its CPU copies among threads).
 """
 
 from __future__ import annotations

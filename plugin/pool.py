@@ -8,12 +8,17 @@ all — absent, not empty: no zero-size tensor, no entry in any list, and asking
 naming its producer. No buffer is ever of zero size. The KV buffer is indexed by token row; the
 indexer buffer by page (``loc // page_size``) and in-page offset (``loc % page_size``) — never by
 token location. Every public operation validates all of its input before it touches a byte.
+On the CPU the token operations share their copies (per layer and cache part) among
+``torch.get_num_threads()`` threads (``plugin.workers``); on a device they are index_select /
+index_copy_ kernels.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +28,16 @@ import torch
 from .descriptors import BufferDescriptor, page_bytes, to_three_lists, validate_descriptors
 from .layout import KV_DTYPES, DSALayout
 from .sizing import index_pages, kv_rows, resolve_index_buf_size
+from .workers import run_tasks
 
 CANARY = 0xCD
 GUARD_ALIGN = 8  # guard_bytes must keep every carved buffer aligned for its dtype
 DEFAULT_CHUNK_TOKENS = 8192
 MIN_RUN_BYTES = 32 * 1024  # from this mean run size on, row runs are copied as slices
+POOL_BUFFERS = "the pool's buffers"
+# helper threads share an operation's copies only from this mean size of a copy on: below it the
+# copies are too short to release the GIL for long, and two threads only pass it back and forth
+MIN_SHARED_COPY_BYTES = 256 * 1024
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -39,49 +49,101 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 
 def _rows(t: torch.Tensor, width: int, align: int | None = None) -> torch.Tensor:
     """The bytes of contiguous ``t`` as rows of ``width`` bytes, in the widest integer dtype that
-    divides ``align`` (default ``width``): copies then move words, not single bytes. A view:
-    writes land in ``t``."""
+    divides ``align`` (default ``width``) and ``t``'s byte offset in its storage: copies then move
+    words, not single bytes. A view: writes land in ``t``."""
     raw = t.view(torch.uint8).reshape(-1)
-    basis = width if align is None else align
+    basis = math.gcd(width if align is None else align, raw.storage_offset())
     word = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
                 if basis % d.itemsize == 0)
     return raw.view(word).view(-1, width // word.itemsize)
 
 
-def _copy_rows(dst: torch.Tensor, dst_index: torch.Tensor | None, src: torch.Tensor,
-               src_index: torch.Tensor | None) -> None:
-    """``dst[dst_index[i]] = src[src_index[i]]`` for every i (``None``: all rows, in order);
-    ``dst_index`` unique. Not a snapshot: the caller keeps source and target rows apart.
+RowCopy = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _row_copy(dst_index: torch.Tensor | None, src_index: torch.Tensor | None,
+              row_bytes: int) -> RowCopy:
+    """``copy(dst, src)``: ``dst[dst_index[i]] = src[src_index[i]]`` for every i (``None``: all
+    rows, in order) between row views of ``row_bytes`` bytes; ``dst_index`` unique. Planned once
+    for the indices, applied to every layer. Not a snapshot: the caller keeps source and target
+    rows apart. Indices are checked by the caller.
 
     On the CPU through numpy, not torch: torch's CPU index kernels copy one element at a time
     and fan out to intra-op threads that stall on a busy machine (docs/benchmarks.md). Where the
     rows come in long runs (a request's tokens: whole pages) each run is one slice copy, a
-    memcpy; otherwise numpy's row gather / scatter. Indices are checked by the caller."""
-    if dst.device.type != "cpu":
-        rows = src if src_index is None else src.index_select(0, src_index)
-        if dst_index is None:
-            dst.copy_(rows)
-        else:
-            dst.index_copy_(0, dst_index, rows)
-        return
-    d, s = dst.numpy(), src.numpy()
+    memcpy; otherwise numpy's row gather / scatter. On a device (either side), index_select /
+    index_copy_."""
+    index = src_index if dst_index is None else dst_index
+    if index is None or index.device.type != "cpu":
+        return functools.partial(_device_copy, dst_index, src_index)
     di = None if dst_index is None else dst_index.numpy()
     si = None if src_index is None else src_index.numpy()
     count = len(si if di is None else di)
     step = np.ones(max(count - 1, 0), dtype=bool)
-    for index in (di, si):
-        if index is not None:
-            step &= np.diff(index) == 1
-    breaks = np.flatnonzero(~step) + 1
-    if (breaks.size + 1) * MIN_RUN_BYTES <= count * d.shape[1] * d.itemsize:
-        for start, end in zip([0, *breaks.tolist()], [*breaks.tolist(), count], strict=True):
-            at = start if di is None else int(di[start])
-            frm = start if si is None else int(si[start])
-            d[at:at + end - start] = s[frm:frm + end - start]
-    elif di is None:
+    for ix in (di, si):
+        if ix is not None:
+            step &= np.diff(ix) == 1
+    cuts = [0, *(np.flatnonzero(~step) + 1).tolist(), count]
+    if (len(cuts) - 1) * MIN_RUN_BYTES <= count * row_bytes:
+        runs = [(start if di is None else int(di[start]), start if si is None else int(si[start]),
+                 end - start) for start, end in itertools.pairwise(cuts)]
+        return functools.partial(_copy_runs, runs)
+    return functools.partial(_copy_indexed, di, si)
+
+
+def _numpy_pair(dst: torch.Tensor, src: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """numpy views of two row views; in the narrower word where they differ (a host tensor at
+    an offset its word size does not divide), so a copy moves bytes, never converts values."""
+    d, s = dst.numpy(), src.numpy()
+    if d.dtype != s.dtype:
+        word = min(d.dtype, s.dtype, key=lambda t: t.itemsize)
+        d, s = d.view(word), s.view(word)
+    return d, s
+
+
+def _copy_runs(runs: list[tuple[int, int, int]], dst: torch.Tensor, src: torch.Tensor) -> None:
+    d, s = _numpy_pair(dst, src)
+    for at, frm, length in runs:
+        d[at:at + length] = s[frm:frm + length]
+
+
+def _copy_indexed(di: np.ndarray | None, si: np.ndarray | None, dst: torch.Tensor,
+                  src: torch.Tensor) -> None:
+    d, s = _numpy_pair(dst, src)
+    if di is None:
         np.take(s, si, axis=0, out=d, mode="clip")  # clip: no buffered copy of ``out``
     else:
         d[di] = s if si is None else s[si]
+
+
+def _device_copy(dst_index: torch.Tensor | None, src_index: torch.Tensor | None,
+                 dst: torch.Tensor, src: torch.Tensor) -> None:
+    rows = src if src_index is None else src.index_select(0, src_index)
+    if rows.dtype != dst.dtype:  # the same bytes in dst's word
+        rows = rows.contiguous().view(torch.uint8).view(dst.dtype)
+    if dst_index is None:
+        dst.copy_(rows)  # across devices for a host copy
+    else:
+        dst.index_copy_(0, dst_index, rows.to(dst.device))
+
+
+def _load_rows(row_copy: RowCopy, view: torch.Tensor, values: torch.Tensor, part: tuple[int, int],
+               dev: torch.device) -> None:
+    """One part of one layer of a chunk of a host copy into the pool; moved to the pool's
+    device here, so a device holds one such temporary at a time."""
+    row_copy(view, _rows(values.to(dev).contiguous(), *part))
+
+
+def _check_apart(spans: list[tuple[int, int, str]]) -> None:
+    """Byte ranges (first, end, label) must not overlap; an error names the later one first,
+    the pool's buffers (``POOL_BUFFERS``) last."""
+    reach: tuple[int, int, str] | None = None  # the range reaching furthest so far
+    for first, end, label in sorted((s for s in spans if s[1] > s[0]), key=lambda s: s[0]):
+        if reach is not None and first < reach[1]:
+            named = sorted((label, reach[2]), key=lambda x: x == POOL_BUFFERS)
+            raise ValueError(f"{named[0]} overlaps {named[1]}")
+        if reach is None or end > reach[1]:
+            reach = (first, end, label)
 
 
 def _sub_rows(byte_offsets: torch.Tensor, width: int, nbytes: int) -> torch.Tensor:
@@ -142,7 +204,7 @@ class CpuCopy:
     """A host copy of some tokens' cache: per layer ``kv[i]`` (n, 1, kv_cache_dim), and per
     indexer layer (``layout.index_layer_ids``) ``index_keys[j]`` (n, index_head_dim) and
     ``index_scales[j]`` (n, scale bytes), CPU tensors, in the order of the token locations it was
-    taken from."""
+    taken from. ``get_cpu_copy(..., out=copy)`` reuses one."""
 
     layout: DSALayout
     num_tokens: int
@@ -445,6 +507,22 @@ class DSATokenToKVPool:
                 raise ValueError(f"{name} has duplicate locations")
         return locs
 
+    def _run(self, tasks: list[Callable[[], None]], tokens: int) -> None:
+        """Independent copies of ``tokens`` tokens' cache: on the CPU shared among
+        ``torch.get_num_threads()`` threads (the caller and helpers, ``plugin.workers``) when
+        they are long enough; on a device one after another."""
+        shared = (self.kv_buffer[0].device.type == "cpu"
+                  and tokens * self.layout.bytes_per_token >= MIN_SHARED_COPY_BYTES * len(tasks))
+        run_tasks(tasks, torch.get_num_threads() if shared else 1)
+
+    @staticmethod
+    def _overlap(tgt: torch.Tensor, src: torch.Tensor) -> bool:
+        """Whether any target is also a source. On the CPU through numpy: torch.isin sorts on
+        intra-op threads, which took 12 ms instead of 0.6 on two busy cores."""
+        if tgt.device.type == "cpu":
+            return bool(np.isin(tgt.numpy(), src.numpy()).any())
+        return bool(torch.isin(tgt, src).any())
+
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         """Copy token rows src -> tgt in every layer, KV and indexer (key + scale bytes).
         Overlapping src/tgt behave as a copy from a snapshot of the sources."""
@@ -456,51 +534,71 @@ class DSATokenToKVPool:
             return
         by_page = self._whole_pages(src) and self._whole_pages(tgt)
         src_rows, tgt_rows = self._row_index(src, by_page), self._row_index(tgt, by_page)
-        # overlapping sources are first gathered into a snapshot, one per cache part, reused by
-        # every layer; disjoint ones are copied straight across
-        overlap = bool(torch.isin(tgt, src).any())
-        widest = max(self._row_views[by_page], key=len)  # a layer with every cache part
-        snapshots = [view.new_empty((rows.numel(), view.shape[1])) if overlap else None
+        widths = [width for width, _ in self._parts[by_page]]
+        layers = self._row_views[by_page]
+        # a layer without an indexer has only its KV view: each zip over a layer's views stops
+        # after it
+        if not self._overlap(tgt, src):  # disjoint: straight across, every layer at once
+            copies = [_row_copy(t, s, w) for t, s, w in zip(tgt_rows, src_rows, widths, strict=True)]
+            self._run([functools.partial(copy, view, view) for views in layers
+                       for copy, view in zip(copies, views, strict=False)], tgt.numel())
+            return
+        # overlapping: each cache part's sources are first gathered into a snapshot, reused by
+        # every layer in turn
+        gathers = [_row_copy(None, s, w) for s, w in zip(src_rows, widths, strict=True)]
+        scatters = [_row_copy(t, None, w) for t, w in zip(tgt_rows, widths, strict=True)]
+        widest = max(layers, key=len)  # a layer with every cache part
+        snapshots = [view.new_empty((rows.numel(), view.shape[1]))
                      for view, rows in zip(widest, src_rows, strict=False)]
-        for views in self._row_views[by_page]:
-            # a layer without an indexer has only its KV view: zip stops after it
-            for view, s_rows, t_rows, snapshot in zip(views, src_rows, tgt_rows, snapshots,
-                                                      strict=False):
-                if snapshot is None:
-                    _copy_rows(view, t_rows, view, s_rows)
-                else:
-                    _copy_rows(snapshot, None, view, s_rows)
-                    _copy_rows(view, t_rows, snapshot, None)
+        for views in layers:
+            for view, gather, scatter, snapshot in zip(views, gathers, scatters, snapshots,
+                                                       strict=False):
+                gather(snapshot, view)
+                scatter(view, snapshot)
 
     def get_cpu_copy(
-        self, token_locs: torch.Tensor, *, chunk_size: int = DEFAULT_CHUNK_TOKENS
+        self, token_locs: torch.Tensor, *, chunk_size: int = DEFAULT_CHUNK_TOKENS,
+        out: CpuCopy | None = None,
     ) -> CpuCopy:
         """Host copy of these tokens' KV rows (every layer) and indexer key+scale bytes (every
         layer that holds an indexer), taken ``chunk_size`` tokens at a time (bounds the
-        device-side temporaries)."""
+        device-side temporaries; any positive size).
+        ``out``: a CpuCopy of as many tokens (an earlier result, say), written into and returned
+        instead of new host tensors — reused host memory does not pay the page faults of fresh
+        memory. Its tensors must be contiguous CPU tensors, apart from each other and the pool."""
         locs = self._check_locs("token_locs", token_locs, target=False)
         _check_int("chunk_size", chunk_size, 1)
         n, lay = locs.numel(), self.layout
-        kv = tuple(
-            torch.empty((n, 1, lay.kv_cache_dim), dtype=self.store_dtype) for _ in self.kv_buffer
-        )
-        keys = tuple(
-            torch.empty((n, lay.index_head_dim), dtype=torch.uint8) for _ in lay.index_layer_ids
-        )
-        scales = tuple(
-            torch.empty((n, lay.index_scale_bytes), dtype=torch.uint8) for _ in lay.index_layer_ids
-        )
+        if out is None:
+            copy = CpuCopy(
+                layout=lay, num_tokens=n,
+                kv=tuple(torch.empty((n, 1, lay.kv_cache_dim), dtype=self.store_dtype)
+                         for _ in self.kv_buffer),
+                index_keys=tuple(torch.empty((n, lay.index_head_dim), dtype=torch.uint8)
+                                 for _ in lay.index_layer_ids),
+                index_scales=tuple(torch.empty((n, lay.index_scale_bytes), dtype=torch.uint8)
+                                   for _ in lay.index_layer_ids),
+            )
+        else:
+            self._check_copy(out, "out", writable=True)
+            if out.num_tokens != n:
+                raise ValueError(f"out holds {out.num_tokens} tokens but token_locs has {n}")
+            copy = out
         for start in range(0, n, chunk_size):
             chunk = locs[start : start + chunk_size]
             by_page, end = self._whole_pages(chunk), start + chunk.numel()
-            rows = self._row_index(chunk, by_page)
-            for views, parts in zip(self._row_views[by_page], self._copy_parts(kv, keys, scales),
-                                    strict=True):
-                outs = [t[start:end] for t in parts]
-                for view, index, out, part in zip(views, rows, outs, self._parts[by_page],
-                                                  strict=False):
-                    _copy_rows(_rows(out, *part), None, view, index)
-        return CpuCopy(layout=lay, num_tokens=n, kv=kv, index_keys=keys, index_scales=scales)
+            parts = self._parts[by_page]
+            copies = [_row_copy(None, index, width)
+                      for index, (width, _) in zip(self._row_index(chunk, by_page), parts, strict=True)]
+            tasks = []
+            for views, outs in zip(self._row_views[by_page],
+                                   self._copy_parts(copy.kv, copy.index_keys, copy.index_scales),
+                                   strict=True):
+                tasks += [functools.partial(row_copy, _rows(t[start:end], *part), view)
+                          for row_copy, view, t, part in zip(copies, views, outs, parts,
+                                                               strict=False)]
+            self._run(tasks, chunk.numel())
+        return copy
 
     def _copy_parts(self, kv, keys, scales) -> list[tuple[torch.Tensor, ...]]:
         """Per layer position, the host tensors of a copy that match its row views: (kv,) for a
@@ -512,12 +610,15 @@ class DSATokenToKVPool:
             out.append((kv[i],) if j is None else (kv[i], keys[j], scales[j]))
         return out
 
-    def _check_copy(self, copy: Any) -> None:
+    def _check_copy(self, copy: Any, name: str = "copy", *, writable: bool = False) -> None:
+        """A CpuCopy of this layout, every tensor of its shape and dtype and holding bytes (not
+        on meta); ``writable`` (``out=``): contiguous CPU tensors that overlap neither each other
+        nor the pool's buffers."""
         if not isinstance(copy, CpuCopy):
-            raise TypeError(f"copy must be a CpuCopy from get_cpu_copy, got {type(copy).__name__}")
+            raise TypeError(f"{name} must be a CpuCopy from get_cpu_copy, got {type(copy).__name__}")
         diff = self.layout.first_difference(copy.layout)
         if diff is not None:
-            raise ValueError(f"copy was taken from a different layout: {diff}")
+            raise ValueError(f"{name} was taken from a different layout: {diff}")
         lay, n = self.layout, copy.num_tokens
         index_layers = len(lay.index_layer_ids)
         expected = (
@@ -525,20 +626,35 @@ class DSATokenToKVPool:
             ("index_keys", copy.index_keys, (n, lay.index_head_dim), torch.uint8, index_layers),
             ("index_scales", copy.index_scales, (n, lay.index_scale_bytes), torch.uint8, index_layers),
         )
+        spans = []  # (first byte, end, label) of every tensor written
         for field, tensors, shape, dtype, layers in expected:
             if len(tensors) != layers:
-                raise ValueError(f"copy.{field} has {len(tensors)} layers, expected {layers}")
+                raise ValueError(f"{name}.{field} has {len(tensors)} layers, expected {layers}")
             for i, t in enumerate(tensors):
+                label = f"{name}.{field}[{i}]"
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{label} must be a torch.Tensor, got {type(t).__name__}")
                 if tuple(t.shape) != shape or t.dtype != dtype:
-                    raise ValueError(
-                        f"copy.{field}[{i}] is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}"
-                    )
+                    raise ValueError(f"{label} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
+                if writable and t.device.type != "cpu":
+                    raise ValueError(f"{label} is on {t.device}, expected cpu")
+                if t.is_meta:
+                    raise ValueError(f"{label} is on meta, which holds no bytes")
+                if writable and not t.is_contiguous():
+                    raise ValueError(f"{label} is not contiguous")
+                spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), label))
+        if writable:
+            if self.kv_buffer[0].device.type == "cpu":
+                spans += [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size(), POOL_BUFFERS)
+                          for _, _, b in self._buffers()]
+            _check_apart(spans)
 
     def load_cpu_copy(
         self, copy: CpuCopy, token_locs: torch.Tensor, *, chunk_size: int = DEFAULT_CHUNK_TOKENS
     ) -> None:
         """Write a ``get_cpu_copy`` result into ``token_locs`` (same count; may differ from the
-        locations it was taken from), every layer, chunked. Other tokens of a page are untouched."""
+        locations it was taken from), every layer (indexer bytes where the pool holds an indexer),
+        chunked (any positive size). Other tokens of a page are untouched."""
         self._check_copy(copy)
         locs = self._check_locs("token_locs", token_locs, target=True)
         _check_int("chunk_size", chunk_size, 1)
@@ -550,11 +666,14 @@ class DSATokenToKVPool:
         for start in range(0, copy.num_tokens, chunk_size):
             chunk = locs[start : start + chunk_size]
             by_page, end = self._whole_pages(chunk), start + chunk.numel()
-            rows = self._row_index(chunk, by_page)
+            parts = self._parts[by_page]
+            copies = [_row_copy(index, None, width)
+                      for index, (width, _) in zip(self._row_index(chunk, by_page), parts, strict=True)]
+            tasks = []
             for views, saved in zip(self._row_views[by_page],
                                     self._copy_parts(copy.kv, copy.index_keys, copy.index_scales),
                                     strict=True):
-                for view, index, tensor, part in zip(views, rows, saved, self._parts[by_page],
-                                                     strict=False):
-                    values = _rows(tensor[start:end].to(dev).contiguous(), *part)
-                    _copy_rows(view, index, values, None)
+                tasks += [functools.partial(_load_rows, row_copy, view, t[start:end], part, dev)
+                          for row_copy, view, t, part in zip(copies, views, saved, parts,
+                                                               strict=False)]
+            self._run(tasks, chunk.numel())

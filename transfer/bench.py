@@ -60,7 +60,7 @@ class Sizes:
     concurrency_tokens: int
     sweep_tokens: int  # the layer and page-pattern sweeps' request length; one of ``lengths``
     plan_lengths: tuple[int, ...]  # planning cost (address math only: no memory)
-    pool_tokens: int  # tokens per pool operation
+    pool_tokens: int  # tokens per pool operation (the docs report 8192: full and quick)
 
 
 SIZES = {
@@ -71,7 +71,7 @@ SIZES = {
                   plan_lengths=(64, 1024, 4096, 16384, 65536, 131072), pool_tokens=8192),
     "quick": Sizes(repeat=3, lengths=(1024, 8192), long_lengths=(131072,), long_layers=8,
                    layer_counts=(78,), concurrency=(1, 16), concurrency_tokens=256,
-                   sweep_tokens=8192, plan_lengths=(64, 8192, 131072), pool_tokens=4096),
+                   sweep_tokens=8192, plan_lengths=(64, 8192, 131072), pool_tokens=8192),
     "tiny": Sizes(repeat=1, lengths=(64, 256), long_lengths=(512,), long_layers=2,
                   layer_counts=(2,), concurrency=(1, 2), concurrency_tokens=64,
                   sweep_tokens=256, plan_lengths=(64, 1024), pool_tokens=256),
@@ -136,10 +136,12 @@ def summarize(transfers: list[dict], plan_share: dict, pool_rows: list[dict],
         share[backend] = statistics.median(r["checksum_share"] for r in long)
         share_highest[backend] = max(r["checksum_share"] for r in long)
     bulk_rows = [r for r in pool_rows if r["pattern"] != "scattered"]
-    bulk, bulk_lowest = {}, {}
+    bulk, bulk_lowest, bulk_pieces = {}, {}, {}
     for op in dict.fromkeys(r["op"] for r in pool_rows):
         ratios = [r["ratio_vs_memcpy"] for r in bulk_rows if r["op"] == op]
         bulk[op], bulk_lowest[op] = statistics.median(ratios), min(ratios)
+        bulk_pieces[op] = statistics.median(r["ratio_vs_pieces_memcpy"] for r in bulk_rows
+                                            if r["op"] == op)
     fresh = [r["ratio_vs_fresh_memcpy"] for r in bulk_rows if "ratio_vs_fresh_memcpy" in r]
     return {
         "ratio_vs_raw": ratio,
@@ -150,6 +152,8 @@ def summarize(transfers: list[dict], plan_share: dict, pool_rows: list[dict],
         "checksum_share_highest": share_highest,
         "pool_vs_memcpy": bulk,
         "pool_vs_memcpy_lowest": bulk_lowest,
+        "pool_vs_pieces_memcpy": bulk_pieces,
+        "pool_threads": pool_rows[0]["threads"],
         "get_cpu_copy_vs_fresh_memcpy": statistics.median(fresh),
         "compact_vs_uniform": layer_sets_summary(transfers, backends),
         "targets_met": {
@@ -204,12 +208,14 @@ def print_tables(report: dict) -> None:
         print(f"{r['tokens']:>12} {r['pattern']:10} {r['descriptors']:>11} "
               f"{r['seconds'] * 1e6:>9.1f}  {shares}")
     print(f"\n{'pool op':14} {'pattern':10} {'tokens':>6} {'GB/s':>6} {'memcpy':>6} {'ratio':>5} "
-          f"{'into fresh memory':>17}")
+          f"{'pieces':>6} {'ratio':>5}  into new allocations (op, memcpy, ratio, page faults)")
     for r in report["pool_ops"]:
-        fresh = (f"{r['fresh_memcpy_gbps']:>6.2f} GB/s {r['ratio_vs_fresh_memcpy']:>5.2f}x"
-                 if "fresh_memcpy_gbps" in r else "")
+        fresh = (f"{r['fresh_gbps']:>5.2f} {r['fresh_memcpy_gbps']:>5.2f} GB/s "
+                 f"{r['ratio_vs_fresh_memcpy']:>5.2f}x, faults {r['fresh_faults']:.0f} / "
+                 f"{r['fresh_memcpy_faults']:.0f}" if "fresh_memcpy_gbps" in r else "")
         print(f"{r['op']:14} {r['pattern']:10} {r['tokens']:>6} {r['gbps']:>6.2f} "
-              f"{r['memcpy_gbps']:>6.1f} {r['ratio_vs_memcpy']:>5.2f} {fresh:>17}")
+              f"{r['memcpy_gbps']:>6.1f} {r['ratio_vs_memcpy']:>5.2f} {r['pieces_memcpy_gbps']:>6.1f} "
+              f"{r['ratio_vs_pieces_memcpy']:>5.2f}  {fresh}")
     print(f"\nratio_vs_raw (length sweeps, requests >= {report['ratio_vs_raw_from_tokens']} tokens, "
           f"median of the points): {report['ratio_vs_raw']}; lowest point: "
           f"{report['ratio_vs_raw_lowest']}")
@@ -217,10 +223,11 @@ def print_tables(report: dict) -> None:
     print(f"checksum_share (time both nodes spent checksumming / end-to-end time of the same "
           f"checksummed run, the ratio_vs_raw points, median): {report['checksum_share']}; "
           f"highest: {report['checksum_share_highest']}")
-    print(f"pool_vs_memcpy (bulk patterns, median): {report['pool_vs_memcpy']}; lowest: "
-          f"{report['pool_vs_memcpy_lowest']}")
-    print(f"get_cpu_copy against a memmove into fresh memory (bulk, median): "
-          f"{report['get_cpu_copy_vs_fresh_memcpy']:.2f}")
+    print(f"pool_vs_memcpy (bulk patterns, median, {report['pool_threads']} threads): "
+          f"{report['pool_vs_memcpy']}; lowest: {report['pool_vs_memcpy_lowest']}; against "
+          f"memcpy in the pool's pieces: {report['pool_vs_pieces_memcpy']}")
+    print(f"get_cpu_copy into new host memory against memmoves into new allocations of the same "
+          f"pieces (bulk, median): {report['get_cpu_copy_vs_fresh_memcpy']:.2f}")
     for backend, ratios in report["compact_vs_uniform"].items():
         print(f"GLM-5.2 compact / uniform, {backend}: bytes {ratios['bytes_ratio']:.3f}, "
               f"end-to-end seconds {ratios['seconds_ratio']:.3f}")

@@ -30,7 +30,7 @@ chunk) over that same run's end-to-end time.
 
 Planning is timed on hand-built buffers (the planner only does address math, so a 128K-token
 request needs no memory); the pool operations on a real DeepSeek-V3.2 pool, against one memmove
-of the same number of bytes.
+of the same number of bytes and against memmoves of them in the pieces the pool holds them in.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import argparse
 import ctypes
 import gc
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -73,6 +74,7 @@ START_TIMEOUT_S = 60.0
 WRITE_TIMEOUT_S = 120.0
 IDLE_EXIT_S = 900.0
 PLAN_REPEAT = 5
+POOL_REPEAT = 7  # pool operations are cheap: more pairs than --quick's 3 steady their median
 
 
 @dataclass(frozen=True)
@@ -414,16 +416,36 @@ class Memcpy:
     def __init__(self) -> None:
         self._src = self._dst = np.zeros(0, dtype=np.uint8)
 
-    def seconds(self, nbytes: int, *, fresh: bool = False) -> float:
-        """Seconds of the memmove; ``fresh``: into a new torch allocation, which pays its page
-        faults too — the limit for an operation that allocates its result (``get_cpu_copy``)."""
+    def _buffers(self, nbytes: int) -> None:
         if nbytes > self._src.size:
             self.free()
             self._src = np.full(nbytes, 1, dtype=np.uint8)
             self._dst = np.full(nbytes, 2, dtype=np.uint8)
-        dst = torch.empty(nbytes, dtype=torch.uint8).numpy() if fresh else self._dst
+
+    def seconds(self, nbytes: int) -> float:
+        """Seconds of the memmove."""
+        self._buffers(nbytes)
         start = time.perf_counter()
-        ctypes.memmove(dst.ctypes.data, self._src.ctypes.data, nbytes)
+        ctypes.memmove(self._dst.ctypes.data, self._src.ctypes.data, nbytes)
+        return time.perf_counter() - start
+
+    def pieces_seconds(self, pieces: list[int], *, fresh: bool = False) -> float:
+        """Seconds of one memmove per piece, back to back: the same bytes cut as a pool holds
+        them (per layer and cache part). glibc picks its copy method by size, so on some
+        machines many pieces copy slower than one block of their sum. ``fresh``: into new torch
+        allocations of those sizes, allocated while timed — what ``get_cpu_copy`` does for its
+        result, so both get from the allocator what it gives (recycled memory or new pages that
+        fault in)."""
+        self._buffers(sum(pieces))
+        src, dst, at, kept = self._src.ctypes.data, self._dst.ctypes.data, 0, []
+        start = time.perf_counter()
+        for nbytes in pieces:
+            target = dst + at
+            if fresh:
+                kept.append(torch.empty(nbytes, dtype=torch.uint8))
+                target = kept[-1].data_ptr()
+            ctypes.memmove(target, src + at, nbytes)
+            at += nbytes
         return time.perf_counter() - start
 
     def free(self) -> None:
@@ -596,44 +618,77 @@ def pool_ops(sizes: Sizes) -> list[dict]:
     memcpy = Memcpy()
     rows = []
     for pattern in LOC_PATTERNS:
-        rows += pool_op_rows(pool, memcpy, pattern, sizes.pool_tokens, max(sizes.repeat, 3))
+        rows += pool_op_rows(pool, memcpy, pattern, sizes.pool_tokens, max(sizes.repeat, POOL_REPEAT))
     return rows
 
 
 def pool_op_rows(pool: DSATokenToKVPool, memcpy: Memcpy, pattern: str, tokens: int,
                  repeat: int) -> list[dict]:
-    """The three operations on one pattern of token locations, each after two warm-up calls.
-    ``get_cpu_copy`` allocates the host copy it returns, so it is also set against a memmove
-    into a fresh allocation: when the allocator hands it new pages, their faults dominate."""
+    """The three operations on one pattern of token locations, each after two warm-up calls and
+    each call followed by a memmove of the same bytes, then by a memmove of them in the pool's
+    pieces. Warm on both sides: the pool, the copy ``load_cpu_copy`` reads and the one
+    ``get_cpu_copy`` writes into (``out=``, reused as a host cache pool does) and the memmove's
+    buffers have all been written before. ``get_cpu_copy`` without ``out`` allocates its result,
+    so it is also set against memmoves of the pieces into new allocations of theirs: fresh on
+    both sides. Ratios are medians of the back-to-back pairs."""
     src, tgt = token_locs(pattern, tokens)
     copy = pool.get_cpu_copy(src)
-    nbytes = tokens * pool.layout.bytes_per_token
+    lay = pool.layout
+    nbytes = tokens * lay.bytes_per_token
+    pieces = [tokens * w for _ in lay.layer_ids
+              for w in (lay.kv_row_bytes, lay.index_head_dim, lay.index_scale_bytes)]
     ops = {"move_kv_cache": lambda: pool.move_kv_cache(tgt, src),
-           "get_cpu_copy": lambda: pool.get_cpu_copy(src),
+           "get_cpu_copy": lambda: pool.get_cpu_copy(src, out=copy),
            "load_cpu_copy": lambda: pool.load_cpu_copy(copy, tgt)}
     rows = []
     for op, run in ops.items():
         run()
         run()
-        seconds, copies, fresh = [], [], []
+        seconds, copies, in_pieces, fresh, fresh_copies, faults = [], [], [], [], [], []
         for _ in range(repeat):
             start = time.perf_counter()
             run()
             seconds.append(time.perf_counter() - start)
             copies.append(memcpy.seconds(nbytes))
+            in_pieces.append(memcpy.pieces_seconds(pieces))
             if op == "get_cpu_copy":
-                fresh.append(memcpy.seconds(nbytes, fresh=True))
-        op_s, copy_s = statistics.median(seconds), statistics.median(copies)
-        row = {"op": op, "pattern": pattern, "tokens": tokens, "layers": pool.layout.num_layers,
-               "bytes": nbytes, "seconds": op_s, "gbps": gbps(nbytes, op_s),
-               "memcpy_gbps": gbps(nbytes, copy_s), "ratio_vs_memcpy": copy_s / op_s}
+                before, start = minor_faults(), time.perf_counter()
+                pool.get_cpu_copy(src)
+                fresh.append(time.perf_counter() - start)
+                middle = minor_faults()
+                fresh_copies.append(memcpy.pieces_seconds(pieces, fresh=True))
+                faults.append((middle - before, minor_faults() - middle))
+        op_s = statistics.median(seconds)
+        row = {"op": op, "pattern": pattern, "tokens": tokens, "layers": lay.num_layers,
+               "threads": torch.get_num_threads(), "bytes": nbytes, "seconds": op_s,
+               "gbps": gbps(nbytes, op_s),
+               "memcpy_gbps": gbps(nbytes, statistics.median(copies)),
+               "ratio_vs_memcpy": pair_ratio(copies, seconds),
+               "pieces_memcpy_gbps": gbps(nbytes, statistics.median(in_pieces)),
+               "ratio_vs_pieces_memcpy": pair_ratio(in_pieces, seconds),
+               "samples_s": seconds, "memcpy_samples_s": copies}
         if fresh:
-            row["fresh_memcpy_gbps"] = gbps(nbytes, statistics.median(fresh))
-            row["ratio_vs_fresh_memcpy"] = statistics.median(fresh) / op_s
+            row["fresh_gbps"] = gbps(nbytes, statistics.median(fresh))
+            row["fresh_memcpy_gbps"] = gbps(nbytes, statistics.median(fresh_copies))
+            row["ratio_vs_fresh_memcpy"] = pair_ratio(fresh_copies, fresh)
+            # page faults per call (4 KiB pages: ~bytes / 4096 when the memory was new)
+            row["fresh_faults"] = statistics.median(f for f, _ in faults)
+            row["fresh_memcpy_faults"] = statistics.median(f for _, f in faults)
         rows.append(row)
         progress(f"pool {op} {pattern} {tokens} tokens: {row['gbps']:.2f} GB/s, "
-                 f"{row['ratio_vs_memcpy']:.2f}x memcpy")
+                 f"{row['ratio_vs_memcpy']:.2f}x memcpy, {row['ratio_vs_pieces_memcpy']:.2f}x "
+                 f"memcpy in pieces")
     return rows
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far (first touches of new memory)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def pair_ratio(baseline: list[float], measured: list[float]) -> float:
+    """Median of baseline / measured over back-to-back pairs (a drift of the load cancels)."""
+    return statistics.median(b / m for b, m in zip(baseline, measured, strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:

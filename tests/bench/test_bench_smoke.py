@@ -2,7 +2,8 @@
 
 Benchmarks are not timed tests: this checks that the report has every key, that every figure is
 positive and every descriptor count exact, that stdout holds nothing but the JSON (NIXL and UCX
-log to stdout), and that the plots are written — never how fast anything is.
+log to stdout), and that the plots are written — never how fast anything is. And that the quick
+and full runs measure the pool on the request length the docs report.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import pytest
 
 from dsa_bridge.transfer.backends import BACKENDS
+from dsa_bridge.transfer.bench import SIZES
 
 from ..conftest import engine_problem
 
@@ -22,6 +24,11 @@ TIMEOUT_S = 120
 ROW_FIGURES = ("bytes", "descriptors", "e2e_s", "raw_s", "memcpy_s", "plan_s", "e2e_gbps",
                "raw_gbps", "memcpy_gbps", "ratio_vs_raw", "ratio_vs_memcpy", "raw_vs_memcpy",
                "plan_share", "e2e_checksums_s", "e2e_checksums_gbps", "checksum_share")
+
+
+def test_quick_and_full_runs_measure_the_pool_on_the_requests_the_docs_report():
+    """docs/benchmarks.md reports the pool operations on 8K tokens, from either run."""
+    assert SIZES["quick"].pool_tokens == SIZES["full"].pool_tokens == 8192
 
 
 def test_tiny_bench_reports_every_figure(tmp_path):
@@ -40,7 +47,7 @@ def test_tiny_bench_reports_every_figure(tmp_path):
                 "checksum_share_highest"):
         assert set(report[key]) == set(backends), key
         assert all(value > 0 for value in report[key].values()), key
-    for key in ("pool_vs_memcpy", "pool_vs_memcpy_lowest"):
+    for key in ("pool_vs_memcpy", "pool_vs_memcpy_lowest", "pool_vs_pieces_memcpy"):
         assert set(report[key]) == {"move_kv_cache", "get_cpu_copy", "load_cpu_copy"}, key
         assert all(value > 0 for value in report[key].values()), key
     assert report["get_cpu_copy_vs_fresh_memcpy"] > 0
@@ -64,8 +71,14 @@ def test_tiny_bench_reports_every_figure(tmp_path):
     for row in report["plan"]:
         assert row["seconds"] > 0 and row["descriptors"] == row["runs"] * 61 * 2
         assert all(share > 0 for share in row["share"].values())
+    assert report["pool_threads"] >= 1
     for row in report["pool_ops"]:
         assert row["seconds"] > 0 and row["gbps"] > 0 and row["ratio_vs_memcpy"] > 0
+        assert row["ratio_vs_pieces_memcpy"] > 0 and row["threads"] == report["pool_threads"]
+        assert len(row["samples_s"]) == len(row["memcpy_samples_s"]) >= 3
+        if row["op"] == "get_cpu_copy":
+            assert row["fresh_gbps"] > 0 and row["ratio_vs_fresh_memcpy"] > 0
+            assert {"fresh_faults", "fresh_memcpy_faults"} <= row.keys()
 
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [
         "bench_gbps_vs_length.png", "bench_plan_cost.png"]

@@ -199,6 +199,36 @@ class IndexerBuffers(Sequence):
         return list(self._buffers.items())
 
 
+def check_token_locs(name: str, locs: Any, *, device: torch.device, rows: int) -> torch.Tensor:
+    """``locs`` as int64 if it is a 1-D integer tensor on ``device`` with every location in
+    ``[0, rows)``; TypeError / ValueError naming ``name`` otherwise."""
+    if not isinstance(locs, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(locs).__name__}")
+    if locs.dtype == torch.bool or locs.dtype.is_floating_point or locs.dtype.is_complex:
+        raise TypeError(f"{name} must have an integer dtype, got {locs.dtype}")
+    if locs.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(locs.shape)}")
+    if locs.device != device:
+        raise ValueError(f"{name} is on {locs.device}, the pool is on {device}")
+    locs = locs.long()
+    if locs.numel():
+        lo, hi = (int(v) for v in torch.aminmax(locs))
+        if lo < 0 or hi >= rows:
+            raise ValueError(f"{name} out of range: location {lo if lo < 0 else hi} not in [0, {rows})")
+    return locs
+
+
+def check_targets(name: str, locs: torch.Tensor, page_size: int) -> None:
+    """Locations written to: none in padding page 0, none twice."""
+    if locs.numel() == 0:
+        return
+    low = int(locs.min())
+    if low < page_size:
+        raise ValueError(f"{name} targets padding page 0: location {low} < page_size {page_size}")
+    if torch.unique(locs).numel() != locs.numel():
+        raise ValueError(f"{name} has duplicate locations")
+
+
 @dataclass(frozen=True)
 class CpuCopy:
     """A host copy of some tokens' cache: per layer ``kv[i]`` (n, 1, kv_cache_dim), and per
@@ -482,29 +512,10 @@ class DSATokenToKVPool:
     # ---- token operations ----------------------------------------------------------------------
     def _check_locs(self, name: str, locs: Any, *, target: bool) -> torch.Tensor:
         """Validate token locations; targets may not be in padding page 0 nor repeat."""
-        if not isinstance(locs, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(locs).__name__}")
-        if locs.dtype == torch.bool or locs.dtype.is_floating_point or locs.dtype.is_complex:
-            raise TypeError(f"{name} must have an integer dtype, got {locs.dtype}")
-        if locs.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(locs.shape)}")
-        if locs.device != self.kv_buffer[0].device:
-            raise ValueError(f"{name} is on {locs.device}, the pool is on {self.device}")
-        locs = locs.long()
-        if locs.numel() == 0:
-            return locs
-        lo, hi = (int(v) for v in torch.aminmax(locs))
-        rows = self.size + self.page_size
-        if lo < 0 or hi >= rows:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"{name} out of range: location {bad} not in [0, {rows})")
+        locs = check_token_locs(name, locs, device=self.kv_buffer[0].device,
+                                rows=self.size + self.page_size)
         if target:
-            if lo < self.page_size:
-                raise ValueError(
-                    f"{name} targets padding page 0: location {lo} < page_size {self.page_size}"
-                )
-            if torch.unique(locs).numel() != locs.numel():
-                raise ValueError(f"{name} has duplicate locations")
+            check_targets(name, locs, self.page_size)
         return locs
 
     def _run(self, tasks: list[Callable[[], None]], tokens: int) -> None:

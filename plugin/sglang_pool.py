@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SGLangDSATokenT
 
 from .descriptors import BufferDescriptor, BufferSet
 from .layout import DSALayout
-from .pool import resolve_kv_dtype
+from .pool import check_targets, check_token_locs, resolve_kv_dtype
 
 
 class BridgeDSATokenToKVPool(SGLangDSATokenToKVPool):
@@ -71,21 +71,8 @@ class BridgeDSATokenToKVPool(SGLangDSATokenToKVPool):
 
     # ---- token operations: checked, then SGLang's own ----------------------------------------
     def _locs(self, name: str, locs) -> torch.Tensor:
-        if not isinstance(locs, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(locs).__name__}")
-        if locs.dtype == torch.bool or locs.dtype.is_floating_point or locs.dtype.is_complex:
-            raise TypeError(f"{name} must have an integer dtype, got {locs.dtype}")
-        if locs.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(locs.shape)}")
-        if locs.device != self.kv_buffer[0].device:
-            raise ValueError(f"{name} is on {locs.device}, the pool is on {self.kv_buffer[0].device}")
-        locs = locs.long()
-        rows = self.size + self.page_size
-        if locs.numel():
-            lo, hi = (int(v) for v in torch.aminmax(locs))
-            if lo < 0 or hi >= rows:
-                raise ValueError(f"{name} out of range: location {lo if lo < 0 else hi} not in [0, {rows})")
-        return locs
+        return check_token_locs(name, locs, device=self.kv_buffer[0].device,
+                                rows=self.size + self.page_size)
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         """SGLang's move (KV rows and indexer key + scale bytes, every layer), after checking
@@ -98,11 +85,7 @@ class BridgeDSATokenToKVPool(SGLangDSATokenToKVPool):
         tgt, src = tgt[moving], src[moving]
         if tgt.numel() == 0:
             return
-        low = int(tgt.min())
-        if low < self.page_size:
-            raise ValueError(f"tgt_loc targets padding page 0: location {low} < page_size {self.page_size}")
-        if torch.unique(tgt).numel() != tgt.numel():
-            raise ValueError("tgt_loc has duplicate locations")
+        check_targets("tgt_loc", tgt, self.page_size)
         super().move_kv_cache(tgt, src)
 
     def _whole_pages(self, name: str, indices) -> torch.Tensor:

@@ -595,6 +595,7 @@ class DSATokenToKVPool:
             if out.num_tokens != n:
                 raise ValueError(f"out holds {out.num_tokens} tokens but token_locs has {n}")
             copy = out
+        host = self._copy_parts(copy.kv, copy.index_keys, copy.index_scales)
         for start in range(0, n, chunk_size):
             chunk = locs[start : start + chunk_size]
             by_page, end = self._whole_pages(chunk), start + chunk.numel()
@@ -602,9 +603,7 @@ class DSATokenToKVPool:
             copies = [_row_copy(None, index, width)
                       for index, (width, _) in zip(self._row_index(chunk, by_page), parts, strict=True)]
             tasks = []
-            for views, outs in zip(self._row_views[by_page],
-                                   self._copy_parts(copy.kv, copy.index_keys, copy.index_scales),
-                                   strict=True):
+            for views, outs in zip(self._row_views[by_page], host, strict=True):
                 tasks += [functools.partial(row_copy, _rows(t[start:end], *part), view)
                           for row_copy, view, t, part in zip(copies, views, outs, parts,
                                                                strict=False)]
@@ -674,6 +673,7 @@ class DSATokenToKVPool:
                 f"token_locs has {locs.numel()} locations but the copy holds {copy.num_tokens}"
             )
         dev = self.kv_buffer[0].device
+        host = self._copy_parts(copy.kv, copy.index_keys, copy.index_scales)
         for start in range(0, copy.num_tokens, chunk_size):
             chunk = locs[start : start + chunk_size]
             by_page, end = self._whole_pages(chunk), start + chunk.numel()
@@ -681,9 +681,7 @@ class DSATokenToKVPool:
             copies = [_row_copy(index, None, width)
                       for index, (width, _) in zip(self._row_index(chunk, by_page), parts, strict=True)]
             tasks = []
-            for views, saved in zip(self._row_views[by_page],
-                                    self._copy_parts(copy.kv, copy.index_keys, copy.index_scales),
-                                    strict=True):
+            for views, saved in zip(self._row_views[by_page], host, strict=True):
                 tasks += [functools.partial(_load_rows, row_copy, view, t[start:end], part, dev)
                           for row_copy, view, t, part in zip(copies, views, saved, parts,
                                                                strict=False)]

@@ -4,10 +4,11 @@
 pairs the buffers it writes into that node (``handshake.transfer_set``: the layers it holds, the
 indexers decode holds and reads) with the ones that node announced. A ``KVSender`` per request
 (room) takes the prefill's page ids, in one or more chunks; once decode has sent its page ids for
-the room, a worker thread plans each chunk (every paired buffer, coalesced and bounds-checked)
-and writes it through the engine, then reports the chunk to decode (with its page checksums when
-``checksums`` is on). Rooms that decode announced but that have no sender yet are offered to the
-application on ``incoming``.
+the room, each chunk goes to the writer (``writer.py``: one lane per decode engine peer), which
+plans it (every paired buffer, coalesced and bounds-checked) and writes it through the engine
+together with the other chunks queued for that peer; the node then reports the chunk to decode
+(with its page checksums when ``checksums`` is on). Rooms that decode announced but that have no
+sender yet are offered to the application on ``incoming``.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ from dsa_bridge.transfer.plan import (
     PlanError,
     as_page_ids,
     check_destination,
-    plan_writes,
 )
 from dsa_bridge.transfer.request import TERMINAL, KVPoll, RequestState
+from dsa_bridge.transfer.writer import Job, Result, Writer
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class KVSender:
         self.pages_sent = 0
         self.chunks_sent = 0
         self.pending: list[tuple[int, np.ndarray, bool]] = []
-        self.busy = 0  # chunks queued for or inside the worker
+        self.busy = 0  # chunks queued for or inside the writer
         self.reported = False
         self.write_failed = False  # an engine write failed: its bytes may still land
 
@@ -150,7 +151,6 @@ class PrefillNode:
         self._peers: dict[bytes, DecodePeer] = {}
         self._rooms: dict[int, _Room] = {}
         self._senders: dict[int, KVSender] = {}
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._gone: dict[int, tuple[str, float]] = {}  # room -> (why, when) its decode left
         self._next_heartbeat = 0.0
 
@@ -169,10 +169,10 @@ class PrefillNode:
         self.endpoint = f"{host}:{port}"
         self._loop = ControlLoop(name, self._on_message, self._on_tick)
         self._loop.add_socket(self._socket)
-        self._worker = threading.Thread(target=self._work, name=f"{name}-writer", daemon=True)
+        self._writer = Writer(backend, name=name, timeout_s=write_timeout_s,
+                              prepare=self._prepare, finish=self._finish)
         self._closed = False
         self._loop.start()
-        self._worker.start()
         log.info("%s listening on %s (backend %s, transport %s)", name, self.endpoint,
                  backend.name, backend.transport())
 
@@ -199,8 +199,7 @@ class PrefillNode:
         if self._closed:
             return
         self._closed = True
-        self._jobs.put(None)
-        self._worker.join(self.write_timeout_s + 5)
+        self._writer.close(self.write_timeout_s + 5)
         self._loop.stop()
         self._socket.close(0)
         self._context.term()
@@ -240,14 +239,15 @@ class PrefillNode:
             self._dispatch(sender)
 
     def _dispatch(self, sender: KVSender) -> None:
-        """Hand queued chunks to the worker once decode's pages are known."""
+        """Hand queued chunks to the writer once decode's pages are known."""
         room = self._rooms.get(sender.room)
         if room is None or not sender.pending:
             return
         sender.state.advance(KVPoll.Transferring)
         for offset, pages, last in sender.pending:
             sender.busy += 1
-            self._jobs.put((sender, room, offset, pages, last))
+            self._writer.submit(Job(sender, room, room.peer.engine_peer, room.peer.pairs, offset,
+                                    pages, room.dst_pages[offset:offset + pages.size], last))
         sender.pending.clear()
 
     def _fail(self, sender: KVSender, reason: str, *, in_flight: bool = False) -> None:
@@ -267,47 +267,28 @@ class PrefillNode:
             sender.room, sender.chunks_sent, ok=False, last=True, reason=sender.state.reason,
             in_flight=in_flight or sender.write_failed), room.peer.identity)
 
-    # ---- the worker: plans and writes chunks -----------------------------------------------
+    # ---- the writer's outcomes (a lane's thread) -------------------------------------------
 
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            sender, room, offset, pages, last = job
-            in_flight = False
-            try:
-                if sender.state.status == KVPoll.Failed:
-                    continue
-                dst = room.dst_pages[offset:offset + pages.size]
-                plan = plan_writes(room.peer.pairs, pages, dst)
-                sums = self._checksums(pages, offset, room.peer.pairs) if self.checksums else None
-                started = time.perf_counter()
-                self.backend.write(room.peer.engine_peer, plan.src, plan.dst, plan.length,
-                                   timeout_s=self.write_timeout_s)
-                seconds = time.perf_counter() - started
-            except PlanError as exc:
-                self._fail(sender, f"bad pages: {exc}")
-                continue
-            except checksum.ChecksumError as exc:
-                self._fail(sender, str(exc))
-                continue
-            except BackendError as exc:
+    def _prepare(self, job: Job, pairs: list[BufferPair]) -> protocol.PageChecksums | None:
+        """What a chunk needs before its write: its page checksums, when they are on."""
+        return self._checksums(job.pages, job.offset, pairs) if self.checksums else None
+
+    def _finish(self, result: Result) -> None:
+        """One chunk left the writer: written, failed, or skipped (its request had failed)."""
+        sender = result.job.sender
+        if result.ok:
+            self._chunk_written(sender, result.job.room, result.plan, result.job.last,
+                                result.seconds, result.sums)
+        elif result.reason:
+            if result.engine_failure and result.batch_index == 0:
                 self.counters.add(engine_failures=1)
-                in_flight = sender.write_failed = True
-                self._fail(sender, f"engine write failed: {exc}", in_flight=True)
-                continue
-            except Exception as exc:  # a bug must fail the request, not stop the writer
-                log.exception("%s: room %d: writing a chunk failed", self.name, sender.room)
-                in_flight = sender.write_failed = True
-                self._fail(sender, f"internal error: {type(exc).__name__}: {exc}", in_flight=True)
-                continue
-            finally:
-                with self._lock:
-                    sender.busy -= 1
-                    if sender.state.status == KVPoll.Failed:
-                        self._report_failure(sender, in_flight=in_flight)
-            self._chunk_written(sender, room, plan, last, seconds, sums)
+            if result.in_flight:
+                sender.write_failed = True
+            self._fail(sender, result.reason, in_flight=result.in_flight)
+        with self._lock:
+            sender.busy -= 1
+            if sender.state.status == KVPoll.Failed:
+                self._report_failure(sender, in_flight=result.in_flight)
 
     def _checksums(self, pages: np.ndarray, offset: int, pairs: list[BufferPair]) -> protocol.PageChecksums:
         started = time.perf_counter()

@@ -89,8 +89,23 @@ def test_a_byte_flipped_after_the_write_fails_the_request_naming_layer_cache_and
 
 
 def test_a_mismatch_in_an_early_chunk_holds_the_pages_until_prefill_confirms(nodes):
-    prefill, decode = nodes(flip_every=2, delay_s=0.3)  # the abort arrives during chunk 2's write
-    sender, receiver = start(prefill, decode, 3, np.arange(1, 13), np.arange(5, 17), chunks=3)
+    prefill, decode = nodes(flip_every=2, delay_s=0.3)  # the abort arrives during chunk 3's write
+    # chunks queued together go out in one engine write: each is sent once the one before is
+    # written (chunk 1) or landing (chunk 2), so that each has its own write and chunk 2's is
+    # the one flipped
+    src, dst = np.arange(1, 13), np.arange(5, 17)
+    fill_request(prefill.pool, 3, src)
+    receiver = decode.receiver(3)
+    receiver.init(dst, num_tokens=dst.size * 64)
+    wait_for(lambda: 3 in prefill._rooms, what="decode's pages at prefill")
+    sender = prefill.sender(3)
+    sender.init(src.size)
+    first, second, third = np.array_split(src, 3)
+    sender.send(first)
+    wait_for(lambda: sender.busy == 0, what="chunk 1 written")
+    sender.send(second)
+    wait_for(prefill.backend.in_flight.is_set, what="chunk 2 landing")
+    sender.send(third)
     assert settle(receiver).poll() == KVPoll.Failed
     reason = str(receiver.failure_exception())
     assert "checksum mismatch: layer 2 kv cache, page 12 (page 7 of the request)" in reason, reason

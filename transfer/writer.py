@@ -1,0 +1,231 @@
+"""The prefill node's writer: one lane per decode engine peer, each writing its queued chunks in
+one engine write.
+
+The node hands the writer a ``Job`` per chunk a request is ready to send: the request (its
+sender and room), the page range (offset into the request's pages, the prefill page ids) and the
+layer range (``None``: every buffer pair of the peer; else only the pairs of those global layer
+ids, so that layers can be sent as they are computed). Jobs queue per engine peer: each peer has
+its own lane and thread, so a frozen, silent or slow decode node delays only the chunks queued
+for it, never another node's.
+
+A lane takes every job queued for its peer, skips those whose request has failed meanwhile,
+plans each of the others (``plan.plan_writes`` over the job's pairs; a job that cannot be
+planned fails alone, before any write), concatenates the plans and submits them as one engine
+write; the backend splits it only where the engine's batch limits require. When that write
+fails, every request in the batch fails as in flight: any of its bytes may still land. Each
+job's outcome goes back to the node through ``finish``, in queue order, exactly once; until
+then the node counts the job in ``KVSender.busy``.
+
+A lane with nothing queued for ``idle_s`` ends its thread; the next job for that peer starts a
+new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dsa_bridge.transfer import checksum, protocol
+from dsa_bridge.transfer.backends.base import BackendError, TransferBackend
+from dsa_bridge.transfer.plan import BufferPair, PlanError, WritePlan, plan_writes
+from dsa_bridge.transfer.request import KVPoll
+
+log = logging.getLogger(__name__)
+
+IDLE_S = 10.0
+
+
+@dataclass(frozen=True)
+class Job:
+    """One chunk of one request: ``pages`` (prefill's) go to ``dst_pages`` (decode's) in the
+    buffers of ``pairs`` whose layer is in ``layers`` (``None``: all of them)."""
+
+    sender: object  # the request's KVSender: the writer reads only its state
+    room: object  # the node's record of the room, handed back to ``finish``
+    engine_peer: str
+    pairs: Sequence[BufferPair]
+    offset: int  # of the chunk's first page among the request's pages
+    pages: np.ndarray
+    dst_pages: np.ndarray
+    last: bool
+    layers: frozenset[int] | None = None
+
+    def buffer_pairs(self) -> list[BufferPair]:
+        if self.layers is None:
+            return list(self.pairs)
+        return [pair for pair in self.pairs if pair.src.layer_id in self.layers]
+
+
+@dataclass(frozen=True)
+class Result:
+    """What became of a job. ``ok``: written (``plan``, its share of the batch's ``seconds``,
+    ``sums``); else ``reason`` ("" when skipped: its request had already failed), and
+    ``in_flight`` when an engine write that held it failed (its bytes may still land).
+    ``batch_index`` / ``batch_jobs``: its place in the engine write it went out in."""
+
+    job: Job
+    ok: bool
+    plan: WritePlan | None = None
+    seconds: float = 0.0
+    sums: protocol.PageChecksums | None = None
+    reason: str = ""
+    in_flight: bool = False
+    engine_failure: bool = False
+    batch_index: int = 0
+    batch_jobs: int = 1
+
+
+Prepare = Callable[[Job, list[BufferPair]], "protocol.PageChecksums | None"]
+
+
+def join_plans(plans: Sequence[WritePlan]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (src, dst, length) arrays of one engine write of every plan, in order."""
+    return tuple(np.concatenate([getattr(p, key) for p in plans]) for key in ("src", "dst", "length"))
+
+
+def shares(seconds: float, plans: Sequence[WritePlan]) -> list[float]:
+    """The batch's write seconds split among its plans by bytes (they sum to ``seconds``)."""
+    total = sum(p.nbytes for p in plans)
+    return [seconds * p.nbytes / total if total else seconds / len(plans) for p in plans]
+
+
+class _Lane:
+    def __init__(self, peer: str):
+        self.peer = peer
+        self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+
+class Writer:
+    """Lanes of jobs per engine peer; ``finish(result)`` is called once per submitted job."""
+
+    def __init__(self, backend: TransferBackend, *, name: str, timeout_s: float,
+                 prepare: Prepare, finish: Callable[[Result], None], idle_s: float = IDLE_S):
+        self.backend = backend
+        self.name = name
+        self.timeout_s = timeout_s
+        self._prepare = prepare
+        self._finish = finish
+        self._idle_s = idle_s
+        self._lock = threading.Lock()
+        self._lanes: dict[str, _Lane] = {}
+        self._closed = False
+        self.batches = 0  # engine writes submitted (each of one or more jobs)
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` on its peer's lane (starting the lane's thread if it has none)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: the writer is closed")
+            lane = self._lanes.get(job.engine_peer)
+            if lane is None:
+                lane = self._lanes[job.engine_peer] = _Lane(job.engine_peer)
+                lane.thread = threading.Thread(target=self._run, args=(lane,), daemon=True,
+                                               name=f"{self.name}-writer-{job.engine_peer}")
+                lane.thread.start()
+            lane.jobs.put(job)
+
+    def lanes(self) -> list[str]:
+        with self._lock:
+            return list(self._lanes)
+
+    def close(self, timeout_s: float) -> None:
+        """Stop every lane after the jobs queued on it; wait at most ``timeout_s`` in all."""
+        with self._lock:
+            self._closed = True
+            lanes = list(self._lanes.values())
+        for lane in lanes:
+            lane.jobs.put(None)
+        deadline = time.monotonic() + timeout_s
+        for lane in lanes:
+            lane.thread.join(max(0.0, deadline - time.monotonic()))
+
+    # ---- a lane's thread ----------------------------------------------------------------------
+
+    def _run(self, lane: _Lane) -> None:
+        while True:
+            try:
+                first = lane.jobs.get(timeout=self._idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if lane.jobs.empty():  # nothing was queued meanwhile: retire the lane
+                        del self._lanes[lane.peer]
+                        return
+                continue
+            jobs, stop = [], first is None
+            if first is not None:
+                jobs.append(first)
+            while True:
+                try:
+                    job = lane.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    stop = True
+                else:
+                    jobs.append(job)
+            if jobs:
+                self._write(lane.peer, jobs)
+            if stop:
+                return
+
+    def _write(self, peer: str, jobs: list[Job]) -> None:
+        """Plan every live job, write them in one engine write, report each outcome."""
+        planned: list[tuple[Job, WritePlan, protocol.PageChecksums | None]] = []
+        for job in jobs:
+            if job.sender.state.status == KVPoll.Failed:
+                self._report(Result(job, ok=False))
+                continue
+            try:
+                pairs = job.buffer_pairs()
+                plan = plan_writes(pairs, job.pages, job.dst_pages)
+                sums = self._prepare(job, pairs)
+            except PlanError as exc:
+                self._report(Result(job, ok=False, reason=f"bad pages: {exc}"))
+                continue
+            except checksum.ChecksumError as exc:
+                self._report(Result(job, ok=False, reason=str(exc)))
+                continue
+            except Exception as exc:  # a bug must fail the request, not stop the lane
+                log.exception("%s: room %d: preparing a chunk failed", self.name, job.sender.room)
+                self._report(Result(job, ok=False, in_flight=True,
+                                    reason=f"internal error: {type(exc).__name__}: {exc}"))
+                continue
+            planned.append((job, plan, sums))
+        if not planned:
+            return
+        plans = [plan for _, plan, _ in planned]
+        src, dst, length = join_plans(plans)
+        self.batches += 1
+        try:
+            started = time.perf_counter()
+            self.backend.write(peer, src, dst, length, timeout_s=self.timeout_s)
+            seconds = time.perf_counter() - started
+        except BackendError as exc:
+            failed = (f"engine write failed: {exc}", True)
+        except Exception as exc:  # a bug must fail the requests, not stop the lane
+            log.exception("%s: writing a batch of %d chunks failed", self.name, len(planned))
+            failed = (f"internal error: {type(exc).__name__}: {exc}", False)
+        else:
+            for i, ((job, plan, sums), share) in enumerate(zip(planned, shares(seconds, plans),
+                                                               strict=True)):
+                self._report(Result(job, ok=True, plan=plan, seconds=share, sums=sums,
+                                    batch_index=i, batch_jobs=len(planned)))
+            return
+        reason, engine = failed
+        for i, (job, _, _) in enumerate(planned):
+            self._report(Result(job, ok=False, reason=reason, in_flight=True, engine_failure=engine,
+                                batch_index=i, batch_jobs=len(planned)))
+
+    def _report(self, result: Result) -> None:
+        try:
+            self._finish(result)
+        except Exception:  # the node's bookkeeping failing must not stop the lane
+            log.exception("%s: room %d: recording a chunk's outcome failed", self.name,
+                          result.job.sender.room)

@@ -162,6 +162,33 @@ def check_write_args(
     return src, dst, length
 
 
+class FairLock:
+    """A mutex granted in the order it was asked for (a ticket lock).
+
+    ``threading.Lock`` is not fair: a thread that releases it and asks again at once (a write
+    posting slice after slice) wins it again and again over a thread already waiting (the
+    control thread's ``progress()``), which can then wait for the whole write.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._next = 0
+        self._serving = 0
+
+    def __enter__(self) -> FairLock:
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            while self._serving != ticket:
+                self._cond.wait()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+
 class RegionTable:
     """Registered regions that may not overlap, kept sorted by address for vectorised lookup."""
 

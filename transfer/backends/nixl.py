@@ -7,7 +7,12 @@ Facts this module is built on (nixl-cu12 1.5.1 with its bundled UCX 1.23, see do
 - The agent runs without a progress thread (it would busy-poll a core): the passive side must
   call ``progress()`` every few ms or the first transfer into it hangs, and the agent is not
   thread-safe in that mode — every agent call here holds one lock (NIXL calls this mode
-  "caller-serialised"). A write releases the lock between polls so ``progress()`` can run.
+  "caller-serialised"). Between processes of one host UCX moves the bytes by CMA inside
+  ``transfer`` (the post): a 788 MB post held the lock, and so the control thread's
+  ``progress()``, for the whole copy (150-600 ms here). A write therefore posts its descriptors
+  in slices of at most ``post_bytes`` (8 MiB; a longer descriptor is split), taking the lock for
+  one slice's post at a time, then polls them all, releasing the lock between polls: no agent
+  call waits longer than one slice's copy.
 - There is no transfer timeout: a write that needs an unresponsive peer (to wire up, or over
   UCX tcp) stays "PROC" forever. ``write`` polls with its own deadline, then releases (cancels)
   the request and raises TransferTimeout. (Over CMA, once wired up, a write into a stopped
@@ -28,15 +33,16 @@ import ipaddress
 import json
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from . import (
+    FairLock,
     RegionTable,
     check_timeout,
     check_write_args,
@@ -55,6 +61,7 @@ _MAGIC = b"DSAB-NIXL/1\n"
 _UCX_SETTINGS = ("UCX_TLS", "UCX_NET_DEVICES")
 _POLL_SPIN = 200  # polls before the wait starts sleeping
 _POLL_MAX_SLEEP_S = 0.001
+POST_BYTES = 8 * 2**20  # bytes per posted slice: one slice's CMA copy is the longest lock hold
 
 
 def _import_nixl() -> tuple[Any, tuple[type[Exception], ...]]:
@@ -113,7 +120,11 @@ class NixlBackend:
 
     name = "nixl"
 
-    def __init__(self, *, host: str = "127.0.0.1", agent_name: str = "") -> None:
+    def __init__(self, *, host: str = "127.0.0.1", agent_name: str = "",
+                 post_bytes: int = POST_BYTES) -> None:
+        if post_bytes < 1:
+            raise BackendError(self.name, "init", f"post_bytes must be >= 1, got {post_bytes}")
+        self.post_bytes = post_bytes
         # UCX_NET_DEVICES binds UCX's listener to the interface of ``host`` (see _net_devices).
         # UCX_MODULES=^ib: without an RDMA device the InfiniBand module is useless, and loading
         # it (bundled rdma-core next to the system's libibverbs providers) makes every process
@@ -145,11 +156,11 @@ class NixlBackend:
         self._mem_types = set(agent.get_backend_mem_types("UCX"))
         self._transport = f"ucx ({ucx})"
         self._agent = agent
-        self._lock = threading.Lock()
+        self._lock = FairLock()  # the agent lock: granted in order (see FairLock)
         self._regions = RegionTable(self.name)
         self._reg_lists: dict[int, object] = {}
         self._peers: dict[str, RegionTable] = {}
-        self._unreleased: list[tuple[object, ...]] = []
+        self._unreleased: list[_Posting] = []
         self._closed = False
         log.info("nixl: agent %s up, transport %s", self.agent_name, self._transport)
 
@@ -242,58 +253,51 @@ class NixlBackend:
             local_slot = self._regions.locate("src", src, length)
             remote_slot = remote.locate("dst", dst, length, peer=peer)
             lists = _xfer_lists(self._regions, local_slot, src, length, remote, remote_slot, dst)
-            requests: list[tuple[object, ...]] = []
-            try:
-                for (local_mem, local_descs), (remote_mem, remote_descs) in lists:
-                    requests.append(self._post(peer, local_mem, local_descs, remote_mem, remote_descs))
-            except BaseException:
-                self._release(requests)
-                raise
+        postings: list[_Posting] = []
         try:
-            self._wait(peer, [request[0] for request in requests], deadline, len(src), timeout_s)
+            for (local_mem, local_descs), (remote_mem, remote_descs) in lists:
+                local_descs, remote_descs = split_descriptors(local_descs, remote_descs,
+                                                              self.post_bytes)
+                posting = self._prepare(peer, local_mem, local_descs, remote_mem, remote_descs)
+                postings.append(posting)
+                for first, end in slices(local_descs[:, 1], self.post_bytes):
+                    self._post(peer, posting, first, end)
+            self._wait(peer, [r for p in postings for r in p.requests], deadline, len(src),
+                       timeout_s)
         finally:
             with self._lock:
-                self._release(requests)
+                self._release(postings)
 
-    def _post(
-        self,
-        peer: str,
-        local_mem: str,
-        local_descs: np.ndarray,
-        remote_mem: str,
-        remote_descs: np.ndarray,
-    ) -> tuple[object, object, object]:
-        """Prepare both descriptor lists, make the request and post it: (request, list, list).
+    def _prepare(self, peer: str, local_mem: str, local_descs: np.ndarray, remote_mem: str,
+                 remote_descs: np.ndarray) -> _Posting:
+        """Both descriptor lists prepared (the prepped path: as fast as ``initialize_xfer`` for
+        descriptors that are apart, much faster when some are adjacent on both sides, because it
+        merges them)."""
+        with self._lock:
+            self._check_open("write")
+            agent = self._agent
+            mine = self._call("prep_xfer_dlist", peer, agent.prep_xfer_dlist, "", local_descs,
+                              local_mem)
+            try:
+                theirs = self._call("prep_xfer_dlist", peer, agent.prep_xfer_dlist, peer,
+                                    remote_descs, remote_mem)
+            except BackendError:
+                mine.release()
+                raise
+        return _Posting([], [mine, theirs])
 
-        The prepped path is as fast as ``initialize_xfer`` for descriptors that are apart, and
-        much faster when some are adjacent on both sides, because it merges them.
-        """
-        agent = self._agent
-        mine = self._call("prep_xfer_dlist", peer, agent.prep_xfer_dlist, "", local_descs, local_mem)
-        try:
-            theirs = self._call(
-                "prep_xfer_dlist", peer, agent.prep_xfer_dlist, peer, remote_descs, remote_mem
-            )
-        except BackendError:
-            mine.release()
-            raise
-        index = np.arange(len(local_descs), dtype=np.int32)
-        try:
-            request = self._call(
-                "make_prepped_xfer", peer, agent.make_prepped_xfer, "WRITE", mine, index, theirs, index
-            )
-        except BackendError:
-            mine.release()
-            theirs.release()
-            raise
-        posted = (request, mine, theirs)
-        try:
-            if self._call("transfer", peer, agent.transfer, request) == "ERR":
+    def _post(self, peer: str, posting: _Posting, first: int, end: int) -> None:
+        """Make and post the request of descriptors ``first:end`` of ``posting``'s lists; the
+        lock is held for this one post (and, over CMA, its copy) only."""
+        index = np.arange(first, end, dtype=np.int32)
+        with self._lock:
+            self._check_open("write")
+            mine, theirs = posting.lists
+            request = self._call("make_prepped_xfer", peer, self._agent.make_prepped_xfer,
+                                 "WRITE", mine, index, theirs, index)
+            posting.requests.append(request)
+            if self._call("transfer", peer, self._agent.transfer, request) == "ERR":
                 raise BackendError(self.name, "transfer", "posting failed", peer=peer)
-        except BackendError:
-            self._release([posted])
-            raise
-        return posted
 
     def _wait(self, peer: str, handles: list[object], deadline: float, count: int, timeout_s: float) -> None:
         """Poll the requests until all are DONE; spin briefly, then back off to 1 ms sleeps."""
@@ -368,22 +372,27 @@ class NixlBackend:
         except self._errors as exc:
             raise BackendError(self.name, op, f"{type(exc).__name__}: {exc}", peer=peer) from exc
 
-    def _release(self, requests: list[tuple[object, ...]]) -> None:
-        """Release (cancelling if still running) each request, then its descriptor lists.
-
-        A request NIXL refuses to release keeps its lists; both are retried by ``progress()``.
-        """
+    def _release(self, postings: list[_Posting]) -> None:
+        """Release (cancelling if still running) each posting's requests, then its descriptor
+        lists. A posting with a request NIXL refuses to release keeps that request and its
+        lists; ``progress()`` retries them."""
         kept = []
-        for request, *lists in requests:
-            try:
-                request.release()
-            except self._errors as exc:
-                log.warning("nixl: cannot release a transfer request yet: %s", exc)
-                kept.append((request, *lists))
+        for posting in postings:
+            left = []
+            for request in posting.requests:
+                try:
+                    request.release()
+                except self._errors as exc:
+                    log.warning("nixl: cannot release a transfer request yet: %s", exc)
+                    left.append(request)
+            posting.requests = left
+            if left:
+                kept.append(posting)
                 continue
-            for dlist in lists:
+            for dlist in posting.lists:
                 dlist.release()
-        self._unreleased = [r for r in self._unreleased if r not in requests] + kept
+            posting.lists = []
+        self._unreleased = [p for p in self._unreleased if p not in postings] + kept
 
     def _deregister(self, region: MemoryRegion) -> None:
         reg = self._reg_lists.pop(region.ptr)
@@ -400,6 +409,47 @@ class NixlBackend:
     def _check_open(self, op: str) -> None:
         if self._closed:
             raise BackendError(self.name, op, "backend is closed")
+
+
+@dataclass(eq=False)
+class _Posting:
+    """The requests posted from one pair of prepared descriptor lists, and the lists."""
+
+    requests: list[object]
+    lists: list[object]
+
+
+def split_descriptors(local: np.ndarray, remote: np.ndarray,
+                      limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """Nx3 (addr, len, device) local/remote descriptor arrays with every descriptor longer than
+    ``limit`` bytes cut into consecutive pieces of at most ``limit`` (both sides alike)."""
+    lengths = local[:, 1]
+    pieces = np.maximum(1, (lengths + np.uint64(limit - 1)) // np.uint64(limit)).astype(np.int64)
+    if (pieces == 1).all():
+        return local, remote
+    row = np.repeat(np.arange(len(local)), pieces)
+    offset = (np.arange(row.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)).astype(
+        np.uint64) * np.uint64(limit)
+    cut = []
+    for descs in (local, remote):
+        out = descs[row].copy()
+        out[:, 0] += offset
+        out[:, 1] = np.minimum(descs[row, 1] - offset, np.uint64(limit))
+        cut.append(out)
+    return cut[0], cut[1]
+
+
+def slices(lengths: np.ndarray, limit: int) -> list[tuple[int, int]]:
+    """Consecutive ``(first, end)`` index ranges whose lengths sum to at most ``limit`` bytes
+    each (a single longer descriptor is a range of its own)."""
+    out, first, total = [], 0, 0
+    for i, n in enumerate(lengths.tolist()):
+        if total and total + n > limit:
+            out.append((first, i))
+            first, total = i, 0
+        total += n
+    out.append((first, len(lengths)))
+    return out
 
 
 def _xfer_lists(

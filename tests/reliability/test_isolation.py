@@ -1,0 +1,110 @@
+"""A frozen decode node delays only its own requests: one prefill node, two decode processes, one
+of them frozen with SIGSTOP in the middle of its transfers. The healthy decode node's p99 request
+latency while the other one is frozen (and the prefill's write into it runs into its timeout) is
+at most 2x its p99 before, on both engines, NIXL also with UCX over TCP (over CMA, NIXL writes a
+stopped process's memory without its help, so its write does not even stall). Every process is
+stopped by the test (SIGCONT before the kill)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dsa_bridge.transfer.backends import create_backend
+from dsa_bridge.transfer.backends.faulty import FaultyBackend
+from dsa_bridge.transfer.prefill import PrefillNode
+from dsa_bridge.transfer.roles import serve_prefill
+
+from .helpers import make_pool, wait_until
+from .netns import loopback_hosts
+from .procs import Hang, decode, gone, summary
+
+CATEGORY = "faults injected"
+LO = loopback_hosts(1)[0]
+NODE = ("--pool-tokens", str(64 * 48), "--request-timeout", "120", "--max-tokens", "256")
+WRITE_TIMEOUT_S = 3.0
+BEFORE = 30  # healthy requests done before the freeze (the first 5 are warm-up, not counted)
+HEALTHY_REQUESTS = 400
+WINDOW_S = WRITE_TIMEOUT_S + 2.0  # after the freeze: the write into the frozen node times out
+
+
+class FreezeSecondPeer(FaultyBackend):
+    """Once ``armed``, freezes (SIGSTOP) ``pid`` right before the next write into an engine peer
+    other than the first one written to (the healthy decode node, served first)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.pid = 0
+        self.first_peer = ""
+        self.armed = threading.Event()
+        self.frozen_at = 0.0
+
+    def write(self, peer, src, dst, length, *, timeout_s):
+        self.first_peer = self.first_peer or peer
+        if peer != self.first_peer and self.armed.is_set() and not self.frozen_at:
+            os.kill(self.pid, signal.SIGSTOP)
+            self.frozen_at = time.monotonic()
+        super().write(peer, src, dst, length, timeout_s=timeout_s)
+
+
+def p99(latencies: list[float]) -> float:
+    return float(np.percentile(latencies, 99))
+
+
+@pytest.mark.parametrize("backend, tls", [("mooncake", ""), ("nixl", ""), ("nixl", "tcp")],
+                         ids=["mooncake", "nixl", "nixl-ucx-tcp"])
+def test_a_frozen_decode_delays_only_its_own_requests(backend, tls, procs, ledger, monkeypatch):
+    if tls:
+        monkeypatch.setenv("UCX_TLS", tls)  # read by this process's agent and the children's
+    engine = FreezeSecondPeer(create_backend(backend))
+    stop = threading.Event()
+    with PrefillNode(make_pool(), engine, write_timeout_s=WRITE_TIMEOUT_S,
+                     peer_timeout_s=60.0) as node:
+        thread = threading.Thread(target=serve_prefill, args=(node, stop), daemon=True)
+        thread.start()
+        try:
+            healthy = decode(procs, LO, backend, node.endpoint, *NODE, "--requests",
+                             str(HEALTHY_REQUESTS), "--concurrency", "2", name="healthy")
+            wait_until(lambda: node.counters.snapshot()["requests_ok"] >= 1, 90,
+                       "the healthy decode node's first request")
+            victim = decode(procs, LO, backend, node.endpoint, *NODE, "--requests", "200",
+                            "--concurrency", "2", name="victim")
+            engine.pid = victim.pid
+            wait_until(lambda: node.counters.snapshot()["requests_ok"] >= BEFORE + 3, 90,
+                       "requests of both decode nodes before the freeze")
+            engine.armed.set()
+            wait_until(lambda: engine.frozen_at, 30, "the victim frozen under a write")
+            time.sleep(max(0.0, engine.frozen_at + WINDOW_S - time.monotonic()))
+            window_end = time.monotonic()
+            if healthy.process.poll() is not None:
+                raise AssertionError("the healthy decode node finished before the freeze window "
+                                     "ended: raise HEALTHY_REQUESTS")
+            failures_in_window = node.counters.snapshot()["engine_failures"]
+            result = summary(procs, healthy, 300)
+            victim.signal(signal.SIGCONT)
+            victim.kill()
+        finally:
+            stop.set()
+            thread.join(10)
+        counters = node.counters.snapshot()
+    times = sorted(result["request_times"].values())  # (init, Success), time.monotonic()
+    before = [done - start for start, done in times[5:] if done < engine.frozen_at]
+    during = [done - start for start, done in times
+              if done > engine.frozen_at and start < window_end]
+    ledger.record(tried=1, ok=counters["requests_ok"], failed=counters["requests_failed"],
+                  bytes_verified=result["bytes_verified"], bytes_lost=result["bytes_mismatched"])
+    assert result["ok"] and result["requests_ok"] == HEALTHY_REQUESTS, result["failures"]
+    assert len(before) >= 10 and len(during) >= 10, (len(before), len(during))
+    if backend == "mooncake" or tls:  # the write into the frozen node timed out meanwhile
+        assert failures_in_window >= 1, counters
+    assert p99(during) <= 2 * p99(before), (
+        f"healthy p99 {p99(during):.3f}s while the other decode was frozen, {p99(before):.3f}s "
+        f"before (max {max(during):.3f}s / {max(before):.3f}s)")
+    assert gone(victim.pid)
+    if not gone(healthy.pid):
+        raise Hang("the healthy decode process is still present")

@@ -15,7 +15,9 @@ over a private ZMQ PAIR socket; every command (a msgpack map) gets one answer:
   to the node's writer thread. ``checksums`` switches the node's page checksums on or off for
   these requests; the answer carries the node's checksum seconds so far.
 - ``stats``: the node's checksum seconds so far (after the requests: their difference is what
-  prefill spent checksumming them).
+  prefill spent checksumming them), and its control thread's longest interval between two
+  ticks since the last ``send`` (``max_tick_gap_ms``: how long the writer's engine calls kept
+  heartbeats and deadlines waiting).
 - ``raw``: plan the given (src, dst) page lists with ``plan_writes`` (timed on its own), join the
   plans and time one ``backend.write`` of all of them: pre-built descriptors, one batch.
 - ``teardown`` (close the node) and ``quit``.
@@ -177,6 +179,7 @@ class _PrefillServer:
     def send(self, requests: list, checksums: bool = False) -> dict:
         self.node.checksums = checksums
         stats = self.stats()
+        self.node._loop.max_tick_gap_s = 0.0  # the gap the stats after these requests report
         for room, pages in requests:
             sender = self.node.sender(room)
             sender.init(len(pages))
@@ -184,7 +187,8 @@ class _PrefillServer:
         return stats
 
     def stats(self) -> dict:
-        return {"checksum_seconds": self.node.counters.snapshot()["checksum_seconds"]}
+        return {"checksum_seconds": self.node.counters.snapshot()["checksum_seconds"],
+                "max_tick_gap_ms": 1e3 * self.node._loop.max_tick_gap_s}
 
     def raw(self, requests: list) -> dict:
         pages = [(np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)) for s, d in requests]
@@ -314,6 +318,7 @@ class Transfer:
     nbytes: int
     descriptors: int
     checksum_seconds: float  # both nodes, computing page checksums (0 without them)
+    max_tick_gap_ms: float  # the prefill control thread's longest interval between two ticks
 
 
 class TransferSession:
@@ -360,14 +365,15 @@ class TransferSession:
         failed = [r for r in receivers if r.poll() == KVPoll.Failed]
         if failed:
             raise RuntimeError(f"transfer failed: {failed[0].failure_exception()}")
-        prefill_spent = self.child.call("stats")["checksum_seconds"] - prefill_before
+        stats = self.child.call("stats")
+        prefill_spent = stats["checksum_seconds"] - prefill_before
         result = Transfer(
             seconds=max(r.state.finished_at for r in receivers)
             - min(r.started_at for r in receivers),
             nbytes=sum(r.nbytes for r in receivers),
             descriptors=sum(r.descriptors for r in receivers),
             checksum_seconds=prefill_spent + self.node.counters.snapshot()["checksum_seconds"]
-            - decode_before)
+            - decode_before, max_tick_gap_ms=stats["max_tick_gap_ms"])
         for receiver in receivers:
             self.node.forget(receiver)
         return result
@@ -462,12 +468,13 @@ def measure(session: TransferSession, memcpy: Memcpy, requests: list, repeat: in
     expected = sum(runs(src, dst) for src, dst in requests) * buffers
     session.end_to_end(requests)  # warm-up: the engine's paths, caches, the planner
     session.end_to_end(requests, checksums=True)
-    e2e, raw, copy, plan, summed, shares = [], [], [], [], [], []
+    e2e, raw, copy, plan, summed, shares, gaps = [], [], [], [], [], [], []
     for i in range(repeat):
         for kind in ("e2e", "sums", "raw") if i % 2 == 0 else ("raw", "sums", "e2e"):
             if kind == "e2e":
                 transfer = session.end_to_end(requests)
                 e2e.append(transfer.seconds)
+                gaps.append(transfer.max_tick_gap_ms)
             elif kind == "sums":
                 checked = session.end_to_end(requests, checksums=True)
                 summed.append(checked.seconds)
@@ -499,6 +506,7 @@ def measure(session: TransferSession, memcpy: Memcpy, requests: list, repeat: in
         "e2e_checksums_gbps": gbps(nbytes, statistics.median(summed)),
         "checksum_share": statistics.median(shares), "e2e_checksums_samples_s": summed,
         "checksum_share_samples": shares,
+        "max_tick_gap_ms": max(gaps), "max_tick_gap_samples_ms": gaps,
     }
 
 

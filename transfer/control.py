@@ -54,6 +54,7 @@ class ControlLoop:
         self._thread: threading.Thread | None = None
         self.bad_messages = 0
         self.last_error = ""
+        self.max_tick_gap_s = 0.0  # the longest interval between two tick starts (reset freely)
         self._wake_lock = threading.Lock()
         self._wake_r = self._wake_w = -1  # the wake-up pipe, open while the loop runs
 
@@ -144,6 +145,7 @@ class ControlLoop:
         for sock in self._sockets:
             poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        last_tick = time.monotonic()
         while not self._stop.is_set():
             self._flush()
             for sock, _ in poller.poll(self._poll_ms):
@@ -151,8 +153,10 @@ class ControlLoop:
                     self._drain_wakes()
                 else:
                     self._receive(sock)
+            now = time.monotonic()
+            self.max_tick_gap_s, last_tick = max(self.max_tick_gap_s, now - last_tick), now
             try:
-                self._on_tick(time.monotonic())
+                self._on_tick(now)
             except Exception:  # a bug in a tick must not silently stop heartbeats
                 log.exception("%s: tick failed", self.name)
         self._flush()

@@ -6,19 +6,23 @@ backend modules) never loads Mooncake or NIXL.
 
 The checks live here because both engines share them: regions are refused when zero-length, null,
 duplicate or overlapping, and write arrays when ragged, empty, zero-length, null or overlapping in
-the destination — always before a single call into an engine.
+the destination — always before a single call into an engine. So does ``EngineBackend``, the
+base of both backends: registration of all regions or none (a failure rolls back the ones
+registered), deregistration at close, and the checks of a write's arguments.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import math
 import os
 import re
 import socket
 import struct
 import threading
+import time
 from array import array as byte_array
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from .base import BackendError, BackendUnavailable, MemoryRegion, TransferBackend
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("mooncake", "nixl")
 
@@ -253,3 +259,62 @@ class RegionTable:
                 peer=peer,
             )
         return slot
+
+
+class EngineBackend:
+    """What both engine backends share; each one provides ``name``, ``_lock`` and the two
+    engine calls ``_register_region`` and ``_unregister_region`` (raising BackendError)."""
+
+    name: str
+    _lock: contextlib.AbstractContextManager
+
+    def _init_regions(self) -> None:
+        self._regions = RegionTable(self.name)
+        self._closed = False
+
+    def register(self, regions: list[MemoryRegion]) -> None:
+        """Register each region (all or none: a failure deregisters this call's regions)."""
+        with self._lock:
+            self._check_open("register")
+            self._regions.check_new(regions)
+            done: list[MemoryRegion] = []
+            for region in regions:
+                try:
+                    self._register_region(region)
+                except BackendError:
+                    self._roll_back(done)
+                    raise
+                self._regions.add(region)
+                done.append(region)
+
+    def _unregister(self, region: MemoryRegion) -> None:
+        self._regions.remove(region)
+        self._unregister_region(region)
+
+    def _roll_back(self, regions: list[MemoryRegion]) -> None:
+        for region in regions:
+            try:
+                self._unregister(region)
+            except BackendError as exc:
+                log.error("%s: rolling back a failed register: %s", self.name, exc)
+
+    def _unregister_all(self) -> list[str]:
+        """Deregister every region (at close); what failed, as messages."""
+        failures = []
+        for region in list(self._regions.regions.values()):
+            try:
+                self._unregister(region)
+            except BackendError as exc:
+                failures.append(str(exc))
+        return failures
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise BackendError(self.name, op, "backend is closed")
+
+    def _write_args(self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray,
+                    timeout_s: float) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
+        """A write's deadline and its checked uint64 arrays (``check_timeout``,
+        ``check_write_args``)."""
+        deadline = time.monotonic() + check_timeout(self.name, peer, timeout_s)
+        return (deadline, *check_write_args(self.name, peer, src, dst, length))

@@ -50,14 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import (
-    RegionTable,
-    check_timeout,
-    check_write_args,
-    device_index,
-    env_defaults,
-    rdma_devices,
-)
+from . import EngineBackend, device_index, env_defaults, rdma_devices
 from .base import BackendError, BackendUnavailable, MemoryRegion, TransferTimeout
 
 log = logging.getLogger(__name__)
@@ -156,7 +149,7 @@ class _Outcome:
     abandoned: bool = False  # the caller timed out and no longer waits
 
 
-class MooncakeBackend:
+class MooncakeBackend(EngineBackend):
     """TransferBackend over ``mooncake.engine.TransferEngine``."""
 
     name = "mooncake"
@@ -202,26 +195,21 @@ class MooncakeBackend:
         self._engine = engine
         self._session = f"{host}:{engine.get_rpc_port()}"
         self._lock = threading.Lock()
-        self._regions = RegionTable(self.name)
+        self._init_regions()
         self._peers: dict[str, _Peer] = {}
-        self._closed = False
         log.info("mooncake: engine %s up, transport %s", self._session, self._transport)
 
-    def register(self, regions: list[MemoryRegion]) -> None:
-        """Register each region (all or none: a failure deregisters this call's regions)."""
-        with self._lock:
-            self._check_open("register")
-            self._regions.check_new(regions)
-            done: list[MemoryRegion] = []
-            for region in regions:
-                cuda = device_index(self.name, region)
-                location = "*" if cuda is None else f"cuda:{cuda}"
-                rc = self._engine.register_memory(region.ptr, region.nbytes, location)
-                if rc != 0:
-                    self._roll_back(done)
-                    raise BackendError(self.name, "register", f"{region} refused", code=rc)
-                self._regions.add(region)
-                done.append(region)
+    def _register_region(self, region: MemoryRegion) -> None:
+        cuda = device_index(self.name, region)
+        location = "*" if cuda is None else f"cuda:{cuda}"
+        rc = self._engine.register_memory(region.ptr, region.nbytes, location)
+        if rc != 0:
+            raise BackendError(self.name, "register", f"{region} refused", code=rc)
+
+    def _unregister_region(self, region: MemoryRegion) -> None:
+        rc = self._engine.unregister_memory(region.ptr)
+        if rc != 0:
+            raise BackendError(self.name, "unregister", f"{region} refused", code=rc)
 
     def metadata(self) -> bytes:
         """The session id ``host:rpc_port`` a peer passes to ``connect``."""
@@ -280,8 +268,7 @@ class MooncakeBackend:
         when ``timeout_s`` passes first. In both cases the destination may still be written
         after this returns: Mooncake keeps landing entries of a failed or abandoned batch.
         """
-        deadline = time.monotonic() + check_timeout(self.name, peer, timeout_s)
-        src, dst, length = check_write_args(self.name, peer, src, dst, length)
+        deadline, src, dst, length = self._write_args(peer, src, dst, length, timeout_s)
         with self._lock:
             self._check_open("write")
             state = self._peers.get(peer)
@@ -415,12 +402,7 @@ class MooncakeBackend:
             if self._closed:
                 return
             self._closed = True
-            failures = []
-            for region in list(self._regions.regions.values()):
-                try:
-                    self._unregister(region)
-                except BackendError as exc:
-                    failures.append(str(exc))
+            failures = self._unregister_all()
             rc = self._engine.unregister_memory(self._scratch.ctypes.data)
             if rc != 0:
                 failures.append(f"scratch buffer refused (code {rc})")
@@ -428,20 +410,3 @@ class MooncakeBackend:
             self._peers.clear()
         if failures:
             raise BackendError(self.name, "close", "; ".join(failures))
-
-    def _unregister(self, region: MemoryRegion) -> None:
-        rc = self._engine.unregister_memory(region.ptr)
-        self._regions.remove(region)
-        if rc != 0:
-            raise BackendError(self.name, "unregister", f"{region} refused", code=rc)
-
-    def _roll_back(self, regions: list[MemoryRegion]) -> None:
-        for region in regions:
-            try:
-                self._unregister(region)
-            except BackendError as exc:
-                log.error("mooncake: rolling back a failed register: %s", exc)
-
-    def _check_open(self, op: str) -> None:
-        if self._closed:
-            raise BackendError(self.name, op, "backend is closed")

@@ -42,10 +42,9 @@ from typing import Any
 import numpy as np
 
 from . import (
+    EngineBackend,
     FairLock,
     RegionTable,
-    check_timeout,
-    check_write_args,
     device_index,
     env_defaults,
     interface_of,
@@ -115,7 +114,7 @@ def _net_devices(host: str) -> str:
     return ",".join([interface, *rdma_ports()]) if interface else ""
 
 
-class NixlBackend:
+class NixlBackend(EngineBackend):
     """TransferBackend over a ``nixl_agent`` with the UCX backend and no progress thread."""
 
     name = "nixl"
@@ -157,38 +156,24 @@ class NixlBackend:
         self._transport = f"ucx ({ucx})"
         self._agent = agent
         self._lock = FairLock()  # the agent lock: granted in order (see FairLock)
-        self._regions = RegionTable(self.name)
+        self._init_regions()
         self._reg_lists: dict[int, object] = {}
         self._peers: dict[str, RegionTable] = {}
         self._unreleased: list[_Posting] = []
-        self._closed = False
         log.info("nixl: agent %s up, transport %s", self.agent_name, self._transport)
 
-    def register(self, regions: list[MemoryRegion]) -> None:
-        """Register each region (all or none: a failure deregisters this call's regions)."""
-        with self._lock:
-            self._check_open("register")
-            self._regions.check_new(regions)
-            done: list[MemoryRegion] = []
-            for region in regions:
-                cuda = device_index(self.name, region)
-                mem = "DRAM" if cuda is None else "VRAM"
-                try:
-                    if f"{mem}_SEG" not in self._mem_types:
-                        raise BackendError(self.name, "register", f"{region}: UCX cannot do {mem}")
-                    reg = self._call(
-                        "register_memory",
-                        "",
-                        self._agent.register_memory,
-                        [(region.ptr, region.nbytes, cuda or 0, "")],
-                        mem,
-                    )
-                except BackendError:
-                    self._roll_back(done)
-                    raise
-                self._reg_lists[region.ptr] = reg
-                self._regions.add(region)
-                done.append(region)
+    def _register_region(self, region: MemoryRegion) -> None:
+        cuda = device_index(self.name, region)
+        mem = "DRAM" if cuda is None else "VRAM"
+        if f"{mem}_SEG" not in self._mem_types:
+            raise BackendError(self.name, "register", f"{region}: UCX cannot do {mem}")
+        self._reg_lists[region.ptr] = self._call(
+            "register_memory", "", self._agent.register_memory,
+            [(region.ptr, region.nbytes, cuda or 0, "")], mem)
+
+    def _unregister_region(self, region: MemoryRegion) -> None:
+        self._call("deregister_memory", "", self._agent.deregister_memory,
+                   self._reg_lists.pop(region.ptr))
 
     def metadata(self) -> bytes:
         """The agent metadata, prefixed with the regions registered here (see the module notes)."""
@@ -243,8 +228,7 @@ class NixlBackend:
         TransferTimeout when ``timeout_s`` passes first; the request is then released (UCX
         cancels it) and the destination may still be partly written.
         """
-        deadline = time.monotonic() + check_timeout(self.name, peer, timeout_s)
-        src, dst, length = check_write_args(self.name, peer, src, dst, length)
+        deadline, src, dst, length = self._write_args(peer, src, dst, length, timeout_s)
         with self._lock:
             self._check_open("write")
             remote = self._peers.get(peer)
@@ -354,11 +338,7 @@ class NixlBackend:
                 except BackendError as exc:
                     failures.append(str(exc))
             self._peers.clear()
-            for region in list(self._regions.regions.values()):
-                try:
-                    self._deregister(region)
-                except BackendError as exc:
-                    failures.append(str(exc))
+            failures += self._unregister_all()
             if self._unreleased:
                 failures.append(f"{len(self._unreleased)} transfer requests could not be released")
             self._agent = None
@@ -393,22 +373,6 @@ class NixlBackend:
                 dlist.release()
             posting.lists = []
         self._unreleased = [p for p in self._unreleased if p not in postings] + kept
-
-    def _deregister(self, region: MemoryRegion) -> None:
-        reg = self._reg_lists.pop(region.ptr)
-        self._regions.remove(region)
-        self._call("deregister_memory", "", self._agent.deregister_memory, reg)
-
-    def _roll_back(self, regions: list[MemoryRegion]) -> None:
-        for region in regions:
-            try:
-                self._deregister(region)
-            except BackendError as exc:
-                log.error("nixl: rolling back a failed register: %s", exc)
-
-    def _check_open(self, op: str) -> None:
-        if self._closed:
-            raise BackendError(self.name, op, "backend is closed")
 
 
 @dataclass(eq=False)

@@ -295,7 +295,9 @@ class DecodeNode:
 
     def _rehandshake_locked(self, peer: PrefillPeer, now: float) -> None:
         """Offer a dead prefill a new epoch of our session (control thread, never waits: its
-        answer arrives as a message); retried with backoff until it answers."""
+        answer arrives as a message); retried with backoff until it answers, and at once when
+        the control connection is made again (a new process on the port gets a Hello, not the
+        pile that would have queued while nobody listened)."""
         peer.epoch += 1
         peer.hello = self._hello(peer.epoch)
         peer.retry_at = now + peer.backoff_s
@@ -459,6 +461,8 @@ class DecodeNode:
                 peer.link_down_since = now if peer.link_down_since is None else peer.link_down_since
             elif event == zmq.EVENT_CONNECTED:
                 peer.link_down_since = None
+                if not peer.alive:  # a Hello queued on the closed connection may be lost
+                    peer.retry_at, peer.backoff_s = now, RETRY_FIRST_S
         if (not peer.alive and not peer.proven_gone and peer.link_down_since is not None
                 and now - peer.link_down_since >= DEAD_PEER_GRACE_S):
             peer.proven_gone = True
@@ -546,8 +550,8 @@ class DecodeNode:
                 self._watch_link_locked(peer, now)
                 if peer.alive and now - peer.last_seen > self.peer_timeout_s:
                     self._peer_dead_locked(peer, now)
-                elif not peer.alive and now >= peer.retry_at:
-                    self._rehandshake_locked(peer, now)
+                elif not peer.alive and peer.link_down_since is None and now >= peer.retry_at:
+                    self._rehandshake_locked(peer, now)  # (while the link is down: at reconnect)
             for receiver in list(self._receivers.values()):
                 status = receiver.state.status
                 if status == KVPoll.Failed and receiver.state.release_at is None:
@@ -561,6 +565,7 @@ class DecodeNode:
                                                      f"{self.request_timeout_s:.0f}s", now)
             if now >= self._next_heartbeat:
                 self._next_heartbeat = now + self.heartbeat_s
-                for peer in self.peers:
-                    self._loop.send(peer.socket, protocol.Heartbeat(time.time()))
+                for peer in self.peers:  # not into a closed connection: a new process on
+                    if peer.link_down_since is None:  # the port would get them first
+                        self._loop.send(peer.socket, protocol.Heartbeat(time.time()))
         self.counters.bad_messages = self._loop.bad_messages

@@ -409,9 +409,9 @@ class PrefillNode:
                 self._disconnect_engine(peer)
             self._fences[session] = _Fence(identity, hello, [
                 s for p in self._departed if p.session == session for s in p.senders])
+            self.counters.add(handshakes_ok=1)
+            log.info("%s: paired with %s (%d buffers)", self.name, hello.node, len(pairs))
             self._answer_fenced()
-        self.counters.add(handshakes_ok=1)
-        log.info("%s: paired with %s (%d buffers)", self.name, hello.node, len(pairs))
 
     def _answer_fenced(self) -> None:
         """Answer the handshakes none of whose session's earlier writes can still run

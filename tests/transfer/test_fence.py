@@ -174,3 +174,31 @@ def test_a_prefill_whose_process_is_gone_releases_its_pages(pair):
 def test_the_bound_must_be_positive(bad):
     with pytest.raises(ValueError, match="quarantine_timeout_s must be > 0"):
         DecodeNode(make_pool(), FakeBackend(), "127.0.0.1:1", quarantine_timeout_s=bad)
+
+
+def test_a_prefill_restarted_on_the_same_port_is_handshaken_again(pair):
+    """The old prefill closes (its rooms' pages proven free), a new one listens on its port: the
+    reconnect brings one Hello, the new node answers, and requests succeed again."""
+    _, prefill, decode = pair()
+    port = prefill.endpoint.rsplit(":", 1)[1]
+    receiver = decode.receiver(1)
+    receiver.init(PAGES)
+    wait_for(lambda: not prefill.incoming.empty(), what="the request at prefill")
+    prefill.close()
+    wait_for(receiver.can_release, timeout_s=10, what="the proof that the old process is gone")
+    dead = decode.receiver(2)
+    dead.init([10])
+    assert dead.poll() == KVPoll.Failed and "unreachable" in dead.state.reason
+    with PrefillNode(make_pool(), FakeBackend(), listen=f"127.0.0.1:{port}", heartbeat_s=0.1) as new:
+        wait_for(lambda: decode.peers[0].alive, what="the new handshake")
+        assert new.counters.snapshot()["handshakes_ok"] == 1
+        fill_request(new.pool, 3, PAGES)
+        again = decode.receiver(3)
+        again.init(PAGES)
+        sender = new.sender(3)
+        sender.init(PAGES.size)
+        sender.send(PAGES)
+        wait_for(lambda: again.poll() == KVPoll.Success, what="a request to the new node")
+        assert count_mismatches(decode.pool, 3, PAGES) == 0
+        assert new._loop.bad_messages <= 1  # at most a heartbeat that preceded the Hello
+    assert decode.counters.snapshot()["peer_recoveries"] == 1

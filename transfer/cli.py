@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--engine-host", type=options.engine_host,
                         help="address prefill reaches this node's engine at "
                              "(default: the local address routed to prefill)")
+    decode.add_argument("--quarantine-timeout", type=options.quarantine_seconds, default=600.0,
+                        help="upper bound, in seconds, on holding the pages of a request whose "
+                             "prefill went silent while it may still write into them, without "
+                             "proof that it cannot (a new handshake, or its process gone); "
+                             "released then and counted as an expiry (default 600)")
     add_run_options(decode)
     decode.add_argument("--summary-file", type=output_file,
                         help="write the JSON summary here instead of printing, with each "
@@ -258,6 +263,7 @@ def cmd_decode(args) -> int:
     engine_host = args.engine_host or local_address_for(prefill_host)
     with DecodeNode(pool, create_backend(args.backend, host=engine_host), endpoints,
                     request_timeout_s=args.request_timeout, peer_timeout_s=args.peer_timeout,
+                    quarantine_timeout_s=args.quarantine_timeout,
                     secret=load_secret(args.secret_file), index_reads=reads,
                     checksums=args.checksums) as node, \
             metrics.serving(node, "decode", args.metrics_host, args.metrics_port):

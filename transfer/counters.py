@@ -51,6 +51,13 @@ class Counters:
     checksums_computed: int = 0  # (buffer, page) checksums prefill sent
     checksums_verified: int = 0  # (buffer, page) checksums decode found equal
     checksum_seconds: float = 0.0  # spent computing them (either side)
+    # decode's fence: requests (and their pages) quarantined because a prefill that may still
+    # write into them went silent; of those, released by the upper bound rather than by proof
+    quarantines: int = 0
+    pages_quarantined: int = 0
+    quarantine_expiries: int = 0
+    pages_expired: int = 0
+    peer_recoveries: int = 0  # prefill nodes marked dead that came back through a new handshake
     failures: dict[str, int] = field(default_factory=dict)  # failed requests by category
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     latency_seconds: float = 0.0  # sum of the successful requests' latencies

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from dsa_bridge.plugin.layout import DSALayout
 from dsa_bridge.transfer import auth, checksum, protocol
@@ -41,12 +42,18 @@ from dsa_bridge.transfer.handshake import (
 )
 from dsa_bridge.transfer.plan import PlanError, as_page_ids, check_pages
 from dsa_bridge.transfer.request import TERMINAL, KVPoll, RequestState
+from dsa_bridge.transfer.rooms import RoomBook
 from dsa_bridge.transfer.verify import ChunkVerifier
 
 log = logging.getLogger(__name__)
 
 
-DEAD_PEER_GRACE_S = 1.0  # after a prefill went silent: bytes already queued in our own engine
+# A prefill's control connection closed and its port refusing connections (ZMQ reconnects every
+# RECONNECT_IVL_MS; a live process, even a frozen one, accepts them) for this long proves its
+# process gone; the time also covers bytes already queued in our own engine.
+DEAD_PEER_GRACE_S = 1.0
+RECONNECT_IVL_MS = 100
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 10.0  # backoff of the re-handshakes with a dead prefill
 
 
 @dataclass
@@ -58,7 +65,14 @@ class PrefillPeer:
     layout: DSALayout
     keys: list[BufferKey]  # the (layer, cache) buffers this prefill writes into ours
     page_bytes: int  # bytes it writes per request page: the item lengths of ``keys``
+    monitor: zmq.Socket | None = None  # the control socket's connect/disconnect events
     alive: bool = True
+    epoch: int = 0  # of our latest Hello to it
+    hello: protocol.Hello | None = None  # a re-handshake waiting for its answer
+    retry_at: float = 0.0
+    backoff_s: float = RETRY_FIRST_S
+    link_down_since: float | None = None  # control connection closed, no reconnect since
+    proven_gone: bool = False  # its old process can write no more (until it comes back)
 
 
 class KVReceiver:
@@ -70,7 +84,8 @@ class KVReceiver:
         self.node = node
         self.room = room
         self.peers = peers
-        self.state = RequestState(room, timeout_s)
+        self.state = RequestState(room, timeout_s, time.monotonic())
+        self.book = RoomBook(p.endpoint for p in peers)
         self.page_ids: np.ndarray | None = None
         self.chunks = 0
         self.nbytes = 0
@@ -78,17 +93,19 @@ class KVReceiver:
         self.write_seconds = 0.0
         self.checksums_verified = 0
         self.started_at: float | None = None
-        self.received = {p.endpoint: 0 for p in peers}  # bytes each prefill reported written
-        self.verified = {p.endpoint: 0 for p in peers}  # (buffer, page) checksums verified
-        self.finished: set[str] = set()  # prefills whose last chunk arrived
-        self.outstanding = {p.endpoint for p in peers}  # prefills that may still write
-        self.in_flight = False  # a prefill reported a failed write whose bytes may still land
-        self.dead_peer = False  # a prefill went silent while it may still have been writing
 
     @property
     def components(self) -> list[BufferKey]:
         """Every (layer, cache) buffer this request fills, in layer order."""
         return sorted(key for p in self.peers for key in p.keys)
+
+    @property
+    def received(self) -> dict[str, int]:
+        return self.book.received
+
+    @property
+    def finished(self) -> set[str]:
+        return self.book.finished
 
     def init(self, page_ids, num_tokens: int = 0) -> None:
         """Send the pages decode allocated for this request to its prefill node(s)."""
@@ -105,18 +122,25 @@ class KVReceiver:
 
     def can_release(self) -> bool:
         """True once the request's pages may go back to the allocator (invariant 8)."""
-        return self.state.can_release()
+        return self.node._can_release(self)
 
 
 class DecodeNode:
-    """Receives requests from prefill nodes into one pool through one engine backend."""
+    """Receives requests from prefill nodes into one pool through one engine backend.
+
+    One plain lock guards the request table, every request's state and book, and the peers'
+    liveness; the application thread, the control thread and the verifier thread take it, never
+    twice (methods named ``_..._locked`` and the ones they call expect it held)."""
 
     def __init__(self, pool, backend: TransferBackend, prefill: str | list[str], *,
                  name: str | None = None, handshake_timeout_s: float = 10.0,
                  request_timeout_s: float = 60.0, peer_timeout_s: float = 5.0,
                  heartbeat_s: float = 0.5, in_flight_grace_s: float = 35.0,
+                 quarantine_timeout_s: float = 600.0,
                  secret: bytes = b"", index_reads: Iterable[int] | None = None,
                  checksums: bool = False):
+        if not quarantine_timeout_s > 0:
+            raise ValueError(f"quarantine_timeout_s must be > 0, got {quarantine_timeout_s}")
         self.pool = pool
         self.layout = pool.layout
         self.index_reads = check_index_reads(self.layout, index_reads)
@@ -126,10 +150,12 @@ class DecodeNode:
         self.peer_timeout_s = peer_timeout_s
         self.heartbeat_s = heartbeat_s
         self.in_flight_grace_s = in_flight_grace_s
+        self.quarantine_timeout_s = quarantine_timeout_s
         self.secret = secret
         self.checksums = checksums  # verify every chunk's pages (may change between requests)
+        self.session = os.urandom(16)
         self.counters = Counters()
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._receivers: dict[int, KVReceiver] = {}
         self._next_heartbeat = 0.0
         self._context = zmq.Context()
@@ -137,9 +163,11 @@ class DecodeNode:
         self._closed = False
         self.buffers = pool_buffers(pool)
         self._page_limit = min(b.num_items for b in self.buffers)
+        self._items = {(b.layer_id, b.kind): b.item_len for b in self.buffers}
         backend.register([MemoryRegion(d.ptr, d.nbytes, d.device) for d in pool.buffer_descriptors()])
         endpoints = [prefill] if isinstance(prefill, str) else list(prefill)
         try:
+            self._engine_metadata = backend.metadata()
             self.peers = [self._handshake(e, handshake_timeout_s) for e in endpoints]
             held = {lid for peer in self.peers for lid in peer.layout.layer_ids}
             missing = [lid for lid in self.layout.layer_ids if lid not in held]
@@ -171,16 +199,25 @@ class DecodeNode:
 
     def forget(self, receiver: KVReceiver) -> None:
         """Drop a finished request whose pages went back to the allocator."""
-        if not receiver.can_release():
-            raise RuntimeError(f"room {receiver.room}: pages may still be written")
         with self._lock:
+            if not receiver.state.can_release(time.monotonic()):
+                raise RuntimeError(f"room {receiver.room}: pages may still be written")
             self._receivers.pop(receiver.room, None)
 
     def held_pages(self) -> int:
-        """Pages of failed requests that may not go back to the allocator yet (invariant 8)."""
+        """Pages of failed requests that may not go back to the allocator yet (invariant 8),
+        quarantined ones included."""
+        now = time.monotonic()
         with self._lock:
             return sum(r.page_ids.size for r in self._receivers.values()
-                       if r.page_ids is not None and r.poll() == KVPoll.Failed and not r.can_release())
+                       if r.page_ids is not None and r.state.status == KVPoll.Failed
+                       and not r.state.can_release(now))
+
+    def quarantined_pages(self) -> int:
+        """Pages held because a prefill that may still write into them went silent."""
+        with self._lock:
+            return sum(r.page_ids.size for r in self._receivers.values()
+                       if r.page_ids is not None and r.book.quarantined)
 
     def close(self) -> None:
         if self._closed:
@@ -197,20 +234,41 @@ class DecodeNode:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- handshake (constructor thread, before the loop starts) ----------------------------
+    # ---- handshake -------------------------------------------------------------------------
 
-    def _handshake(self, endpoint: str, timeout_s: float) -> PrefillPeer:
-        host, port = parse_endpoint(endpoint, "prefill")
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(zmq_address(host, port))
+    def _hello(self, epoch: int) -> protocol.Hello:
         hello = protocol.Hello(
             protocol.PROTOCOL_VERSION, self.name, self.backend.name, self.layout.to_dict(),
-            self.layout.layout_hash(), self.backend.metadata(), buffer_infos(self.buffers),
-            list(self.index_reads), nonce=os.urandom(16), sent_at=time.time())
+            self.layout.layout_hash(), self._engine_metadata, buffer_infos(self.buffers),
+            list(self.index_reads), nonce=os.urandom(16), sent_at=time.time(),
+            session=self.session, epoch=epoch)
         if self.secret:
             hello = msgspec.structs.replace(
                 hello, auth=auth.sign(self.secret, protocol.signed_bytes(hello)))
+        return hello
+
+    def _check_ack(self, endpoint: str, hello: protocol.Hello,
+                   ack: protocol.HelloAck) -> tuple[DSALayout, list[BufferKey]]:
+        """The prefill's layout and what it writes into us, from its answer to ``hello``."""
+        if not ack.ok:
+            raise HandshakeError(f"prefill {endpoint} refused the handshake: {ack.reason}")
+        if self.secret and not auth.verify(self.secret, ack.auth, b"ack", hello.nonce,
+                                           protocol.signed_bytes(ack)):
+            raise HandshakeError(f"prefill {endpoint} did not prove the shared secret")
+        layout = check_peer(self.layout, self.backend.name, version=ack.version,
+                            peer_backend=self.backend.name, peer_layout=ack.layout,
+                            peer_hash=ack.layout_hash)
+        return layout, transfer_set(layout, self.layout, self.index_reads)
+
+    def _handshake(self, endpoint: str, timeout_s: float) -> PrefillPeer:
+        """The first handshake (constructor thread, before the loop starts)."""
+        host, port = parse_endpoint(endpoint, "prefill")
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
+        sock.connect(zmq_address(host, port))
+        hello = self._hello(0)
         sock.send(protocol.encode(hello))
         deadline = time.monotonic() + timeout_s
         while True:
@@ -226,22 +284,49 @@ class DecodeNode:
             if isinstance(ack, protocol.HelloAck):
                 break
         try:
-            if not ack.ok:
-                raise HandshakeError(f"prefill {endpoint} refused the handshake: {ack.reason}")
-            if self.secret and not auth.verify(self.secret, ack.auth, b"ack", hello.nonce,
-                                               protocol.signed_bytes(ack)):
-                raise HandshakeError(f"prefill {endpoint} did not prove the shared secret")
-            layout = check_peer(self.layout, self.backend.name, version=ack.version,
-                                peer_backend=self.backend.name, peer_layout=ack.layout,
-                                peer_hash=ack.layout_hash)
-            keys = transfer_set(layout, self.layout, self.index_reads)
+            layout, keys = self._check_ack(endpoint, hello, ack)
         except HandshakeError:
             sock.close(0)
             raise
         self.counters.add(handshakes_ok=1)
-        items = {(b.layer_id, b.kind): b.item_len for b in self.buffers}
         return PrefillPeer(endpoint, ack.node, sock, time.monotonic(), layout, keys,
-                           sum(items[key] for key in keys))
+                           sum(self._items[key] for key in keys),
+                           monitor=sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED))
+
+    def _rehandshake_locked(self, peer: PrefillPeer, now: float) -> None:
+        """Offer a dead prefill a new epoch of our session (control thread, never waits: its
+        answer arrives as a message); retried with backoff until it answers, and at once when
+        the control connection is made again (a new process on the port gets a Hello, not the
+        pile that would have queued while nobody listened)."""
+        peer.epoch += 1
+        peer.hello = self._hello(peer.epoch)
+        peer.retry_at = now + peer.backoff_s
+        peer.backoff_s = min(peer.backoff_s * 2, RETRY_MAX_S)
+        self._loop.send(peer.socket, peer.hello)
+
+    def _on_ack_locked(self, peer: PrefillPeer, ack: protocol.HelloAck, now: float) -> None:
+        """A prefill answered a re-handshake: it is back, and (it answers only once none of the
+        old epochs' writes can still run) every room quarantined on it is free, but the rooms it
+        names as possibly still written by a failed engine write."""
+        if peer.alive or peer.hello is None or ack.epoch != peer.epoch:
+            return  # the answer to an earlier Hello: a later one is on its way
+        try:
+            layout, keys = self._check_ack(peer.endpoint, peer.hello, ack)
+            if layout.layout_hash() != peer.layout.layout_hash() or keys != peer.keys:
+                raise HandshakeError("it came back with another layout")
+        except HandshakeError as exc:
+            self.counters.add(handshakes_refused=1)
+            log.warning("%s: prefill %s: re-handshake refused: %s", self.name, peer.endpoint, exc)
+            return
+        peer.hello = None
+        peer.alive = True
+        peer.last_seen = now
+        peer.backoff_s = RETRY_FIRST_S
+        self.counters.add(handshakes_ok=1, peer_recoveries=1)
+        log.warning("%s: prefill %s is back (epoch %d)", self.name, peer.endpoint, ack.epoch)
+        self._peer_gone_locked(peer, now, set(ack.in_flight))
+        peer.proven_gone = False
+        peer.link_down_since = None
 
     def _peer(self, endpoint: str) -> PrefillPeer:
         for peer in self.peers:
@@ -272,49 +357,118 @@ class DecodeNode:
             check_pages(pages, self._page_limit, "page_ids")
         except PlanError as exc:
             raise ValueError(str(exc)) from None
-        receiver.page_ids = pages
-        receiver.started_at = time.monotonic()
         with self._lock:
+            now = time.monotonic()
+            receiver.page_ids = pages
+            receiver.started_at = now
+            if receiver.state.status in TERMINAL:  # aborted before init: ask no prefill node
+                return
             dead = [p.endpoint for p in receiver.peers if not p.alive]
             if dead:
-                receiver.state.fail(f"prefill {dead[0]} unreachable")
+                self._fail_locked(receiver, f"prefill {dead[0]} unreachable (awaiting its new "
+                                            f"handshake)", now, release_after_s=0.0)
+                receiver.book.nothing_sent()
                 return
-            receiver.state.advance(KVPoll.WaitingForInput)
+            receiver.state.advance(KVPoll.WaitingForInput, now)
         request = protocol.RequestPages(receiver.room, pages.tolist(), int(num_tokens))
         for peer in receiver.peers:
             self._loop.send(peer.socket, request)
 
     def _abort(self, receiver: KVReceiver, reason: str) -> None:
         with self._lock:
-            if receiver.page_ids is None:  # nothing was asked of any prefill node
-                if self._fail(receiver, reason, release_after_s=0.0):
-                    receiver.outstanding.clear()
-                return
-            self._fail_sent(receiver, reason)
+            self._abort_locked(receiver, reason, time.monotonic())
 
-    def _fail(self, receiver: KVReceiver, reason: str, *,
-              release_after_s: float | None = 0.0) -> bool:
-        if receiver.state.fail(reason, release_after_s=release_after_s):
+    def _can_release(self, receiver: KVReceiver) -> bool:
+        with self._lock:
+            return receiver.state.can_release(time.monotonic())
+
+    def _abort_locked(self, receiver: KVReceiver, reason: str, now: float) -> None:
+        if receiver.page_ids is None:  # nothing was asked of any prefill node
+            if self._fail_locked(receiver, reason, now, release_after_s=0.0):
+                receiver.book.nothing_sent()
+            return
+        self._fail_sent_locked(receiver, reason, now)
+
+    def _fail_locked(self, receiver: KVReceiver, reason: str, now: float, *,
+                     release_after_s: float | None) -> bool:
+        if receiver.state.fail(reason, now, release_after_s=release_after_s):
             self.counters.request_failed(reason)
             log.warning("%s: room %d failed: %s", self.name, receiver.room, reason)
             return True
         return False
 
-    def _fail_sent(self, receiver: KVReceiver, reason: str) -> None:
+    def _fail_sent_locked(self, receiver: KVReceiver, reason: str, now: float) -> None:
         """Fail a request whose pages the prefill nodes know: ask every one that may still write
-        to stop, and hold the pages until each has confirmed, or the grace period ends."""
-        if self._fail(receiver, reason, release_after_s=None):
-            receiver.state.allow_release(self.in_flight_grace_s)
+        to stop, and hold the pages until the fence lets them go."""
+        if self._fail_locked(receiver, reason, now, release_after_s=None):
             for peer in receiver.peers:
-                if peer.endpoint in receiver.outstanding and peer.alive:
+                if peer.endpoint in receiver.book.outstanding and peer.alive:
                     self._loop.send(peer.socket, protocol.Abort(receiver.room, reason))
-        self._settle(receiver)
+        self._settle_locked(receiver, now)
 
-    def _settle(self, receiver: KVReceiver) -> None:
-        """Release a failed request's pages once no prefill can still write into them."""
-        if receiver.outstanding or receiver.in_flight:
+    def _settle_locked(self, receiver: KVReceiver, now: float) -> None:
+        """Release a failed request's pages once no prefill can still write into them, or once
+        the quarantine's upper bound has passed (counted as an expiry)."""
+        if receiver.state.status != KVPoll.Failed:
             return
-        receiver.state.allow_release(DEAD_PEER_GRACE_S if receiver.dead_peer else 0.0)
+        at, expired = receiver.book.fence(receiver.state.finished_at, now, self.quarantine_timeout_s)
+        if expired:
+            self.counters.add(quarantine_expiries=1, pages_expired=receiver.page_ids.size)
+            log.warning("%s: room %d: pages released after %.0fs without proof that no write "
+                        "into them can still land", self.name, receiver.room,
+                        self.quarantine_timeout_s)
+        if at is not None:
+            receiver.state.allow_release(at)
+
+    # ---- peers' liveness (control thread) --------------------------------------------------
+
+    def _peer_dead_locked(self, peer: PrefillPeer, now: float) -> None:
+        """``peer`` went silent: every request it may still write into is quarantined (its
+        pages held until the peer is proven gone), the running ones fail."""
+        peer.alive = False
+        peer.retry_at = now
+        peer.backoff_s = RETRY_FIRST_S
+        log.warning("%s: prefill %s silent for %.1fs", self.name, peer.endpoint, now - peer.last_seen)
+        reason = f"prefill {peer.endpoint} unreachable (no heartbeat for {self.peer_timeout_s:.1f}s)"
+        for receiver in self._receivers.values():
+            if peer not in receiver.peers:
+                continue
+            if receiver.page_ids is not None and receiver.book.silent(peer.endpoint):
+                self.counters.add(quarantines=1, pages_quarantined=receiver.page_ids.size)
+            if receiver.state.status in TERMINAL:
+                self._settle_locked(receiver, now)
+            else:
+                self._abort_locked(receiver, reason, now)
+
+    def _peer_gone_locked(self, peer: PrefillPeer, now: float, in_flight: set[int]) -> None:
+        """Proof that ``peer``'s old writes can no longer land (but the failed ones of the rooms
+        in ``in_flight``, which the engine's own bound covers): lift its quarantines."""
+        for receiver in self._receivers.values():
+            if peer.endpoint in receiver.book.quarantined:
+                receiver.book.confirmed(peer.endpoint, now, in_flight=receiver.room in in_flight,
+                                        grace_s=self.in_flight_grace_s)
+                self._settle_locked(receiver, now)
+
+    def _watch_link_locked(self, peer: PrefillPeer, now: float) -> None:
+        """Follow the control connection; when it has been down (closed, every reconnect
+        refused) for DEAD_PEER_GRACE_S, the dead peer's process is proven gone."""
+        while peer.monitor is not None:
+            try:
+                event = recv_monitor_message(peer.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                break
+            if event == zmq.EVENT_DISCONNECTED:
+                peer.link_down_since = now if peer.link_down_since is None else peer.link_down_since
+            elif event == zmq.EVENT_CONNECTED:
+                peer.link_down_since = None
+                if not peer.alive:  # a Hello queued on the closed connection may be lost
+                    peer.retry_at, peer.backoff_s = now, RETRY_FIRST_S
+        if (not peer.alive and not peer.proven_gone and peer.link_down_since is not None
+                and now - peer.link_down_since >= DEAD_PEER_GRACE_S):
+            peer.proven_gone = True
+            log.warning("%s: prefill %s: connection closed and refused for %.1fs: its process is "
+                        "gone", self.name, peer.endpoint, now - peer.link_down_since)
+            self._peer_gone_locked(peer, now, set())
 
     # ---- control plane (loop thread) -------------------------------------------------------
 
@@ -323,95 +477,95 @@ class DecodeNode:
             peer = next((p for p in self.peers if p.socket is sock), None)
             if peer is None:
                 return
-            peer.last_seen = time.monotonic()
+            now = time.monotonic()
+            peer.last_seen = now
             if isinstance(message, protocol.ChunkDone):
-                self._on_chunk(peer, message)
-            elif not isinstance(message, protocol.Heartbeat | protocol.HelloAck):
+                self._on_chunk_locked(peer, message, now)
+            elif isinstance(message, protocol.HelloAck):
+                self._on_ack_locked(peer, message, now)
+            elif not isinstance(message, protocol.Heartbeat):
                 raise protocol.ProtocolError(f"unexpected {type(message).__name__} from prefill")
 
-    def _on_chunk(self, peer: PrefillPeer, done: protocol.ChunkDone) -> None:
+    def _on_chunk_locked(self, peer: PrefillPeer, done: protocol.ChunkDone, now: float) -> None:
         receiver = self._receivers.get(done.room)
         if receiver is None or peer not in receiver.peers:
             raise protocol.ProtocolError(f"chunk report for unknown room {done.room}")
+        book = receiver.book
         if not done.ok:  # the prefill's final word: none of its writes is still running...
-            receiver.outstanding.discard(peer.endpoint)
-            receiver.in_flight |= done.in_flight  # ...unless it says one may still land
-            self._fail_sent(receiver, f"prefill {peer.endpoint}: {done.reason}")
+            book.confirmed(peer.endpoint, now, in_flight=done.in_flight,  # ...unless one may land
+                           grace_s=self.in_flight_grace_s)
+            self._fail_sent_locked(receiver, f"prefill {peer.endpoint}: {done.reason}", now)
             return
         if done.last:
-            receiver.outstanding.discard(peer.endpoint)
+            book.confirmed(peer.endpoint, now)
         if receiver.state.status in TERMINAL:
-            self._settle(receiver)
+            self._settle_locked(receiver, now)
             return
         receiver.chunks += 1
         receiver.nbytes += done.nbytes
         receiver.descriptors += done.descriptors
         receiver.write_seconds += done.write_seconds
-        receiver.received[peer.endpoint] += done.nbytes
+        book.chunk(peer.endpoint, done.nbytes)
         self.counters.add(chunks=1, bytes=done.nbytes, descriptors=done.descriptors,
                           write_seconds=done.write_seconds)
-        receiver.state.advance(KVPoll.Transferring)
+        receiver.state.advance(KVPoll.Transferring, now)
         if self.checksums:  # the part counts once the verifier has checked every chunk
             self._verifier.submit(receiver, done, peer)
         elif done.last:
-            self._on_part_done(receiver, peer)
+            self._on_part_done_locked(receiver, peer, now)
 
-    def _on_part_done(self, receiver: KVReceiver, peer: PrefillPeer) -> None:
+    def _on_part_done_locked(self, receiver: KVReceiver, peer: PrefillPeer, now: float) -> None:
         """A prefill node's last chunk: its part must be complete, and reported only once."""
-        if peer.endpoint in receiver.finished:
-            self._fail_sent(receiver, f"prefill {peer.endpoint} reported its last chunk twice")
-            return
-        receiver.finished.add(peer.endpoint)
-        expected = receiver.page_ids.size * peer.page_bytes
-        if receiver.received[peer.endpoint] != expected:
-            self._fail_sent(receiver, f"prefill {peer.endpoint} wrote {receiver.received[peer.endpoint]} "
-                                      f"bytes, expected {expected} ({len(peer.keys)} buffers x "
-                                      f"{receiver.page_ids.size} pages)")
-            return
-        if len(receiver.finished) == len(receiver.peers) and receiver.state.advance(KVPoll.Success):
+        problem = receiver.book.part_done(
+            peer.endpoint, receiver.page_ids.size * peer.page_bytes,
+            f"{len(peer.keys)} buffers x {receiver.page_ids.size} pages")
+        if problem:
+            self._fail_sent_locked(receiver, problem, now)
+        elif receiver.book.complete and receiver.state.advance(KVPoll.Success, now):
             self.counters.request_ok(receiver.state.finished_at - receiver.started_at)
 
     def _on_verified(self, receiver: KVReceiver, done: protocol.ChunkDone, peer: PrefillPeer,
                      problem: str, verified: int, seconds: float) -> None:
         """The verifier's outcome for one chunk of ``peer`` (verifier thread)."""
         with self._lock:
+            now = time.monotonic()
             self.counters.add(checksums_verified=verified, checksum_seconds=seconds)
             receiver.checksums_verified += verified
-            receiver.verified[peer.endpoint] += verified
+            receiver.book.verify(peer.endpoint, verified)
             if not problem and done.last:
                 try:
-                    checksum.check_coverage(receiver.verified[peer.endpoint],
+                    checksum.check_coverage(receiver.book.verified[peer.endpoint],
                                             receiver.page_ids.size, len(peer.keys))
                 except checksum.ChecksumError as exc:
                     problem = str(exc)
             if problem:  # later chunks may still be written: held until every prefill confirms
-                self._fail_sent(receiver, problem)
+                self._fail_sent_locked(receiver, problem, now)
             elif done.last and receiver.state.status not in TERMINAL:
-                self._on_part_done(receiver, peer)
+                self._on_part_done_locked(receiver, peer, now)
 
     def _on_tick(self, now: float) -> None:
         self.backend.progress()
         with self._lock:
             for peer in self.peers:
+                self._watch_link_locked(peer, now)
                 if peer.alive and now - peer.last_seen > self.peer_timeout_s:
-                    peer.alive = False
-                    log.warning("%s: prefill %s silent for %.1fs", self.name, peer.endpoint,
-                                now - peer.last_seen)
-            for receiver in self._receivers.values():
-                if receiver.state.status in TERMINAL:
-                    continue
-                dead = [p.endpoint for p in receiver.peers if not p.alive]
-                if dead:
-                    # a dead engine writes nothing more; a short grace covers bytes already
-                    # queued in our own engine
-                    receiver.outstanding.difference_update(dead)
-                    receiver.dead_peer = True
-                    self._fail_sent(receiver, f"prefill {dead[0]} unreachable (no heartbeat "
-                                              f"for {self.peer_timeout_s:.1f}s)")
-                elif now > receiver.state.deadline:
-                    self._abort(receiver, f"timed out after {self.request_timeout_s:.0f}s")
+                    self._peer_dead_locked(peer, now)
+                elif not peer.alive and peer.link_down_since is None and now >= peer.retry_at:
+                    self._rehandshake_locked(peer, now)  # (while the link is down: at reconnect)
+            for receiver in list(self._receivers.values()):
+                status = receiver.state.status
+                if status == KVPoll.Failed and receiver.state.release_at is None:
+                    self._settle_locked(receiver, now)  # the quarantine's upper bound
+                elif status not in TERMINAL:
+                    dead = [p.endpoint for p in receiver.peers if not p.alive]
+                    if dead:  # made while its prefill was dead, not yet initialized
+                        self._abort_locked(receiver, f"prefill {dead[0]} unreachable", now)
+                    elif now > receiver.state.deadline:
+                        self._abort_locked(receiver, f"timed out after "
+                                                     f"{self.request_timeout_s:.0f}s", now)
             if now >= self._next_heartbeat:
                 self._next_heartbeat = now + self.heartbeat_s
-                for peer in self.peers:
-                    self._loop.send(peer.socket, protocol.Heartbeat(time.time()))
+                for peer in self.peers:  # not into a closed connection: a new process on
+                    if peer.link_down_since is None:  # the port would get them first
+                        self._loop.send(peer.socket, protocol.Heartbeat(time.time()))
         self.counters.bad_messages = self._loop.bad_messages

@@ -17,7 +17,12 @@ means no endpoint. Every metric is prefixed ``dsa_bridge_``:
 - ``peers_connected`` (gauge): decode nodes paired with a prefill node, or prefill nodes a decode
   node still hears;
 - ``pages_held`` (gauge, decode): pages of failed requests that may not go back to the allocator
-  yet, because a write into them may still land;
+  yet, because a write into them may still land; ``pages_quarantined`` (gauge, decode): those of
+  them held because their prefill went silent (until it is proven gone);
+- ``quarantines_total`` and ``quarantine_expiries_total`` (decode): requests quarantined, and
+  those of them released by ``quarantine_timeout_s`` instead of a proof;
+  ``quarantined_pages_total`` and ``expired_pages_total``, their pages; ``peer_recoveries_total``:
+  prefill nodes marked dead that came back through a new handshake;
 - ``node_info{role, name, backend}``.
 """
 
@@ -118,6 +123,19 @@ class NodeCollector:
             yield GaugeMetricFamily("dsa_bridge_pages_held", "Pages of failed requests that may "
                                     "not be reused yet (a write may still land).",
                                     value=self.node.held_pages())
+            yield GaugeMetricFamily("dsa_bridge_pages_quarantined", "Pages held because their "
+                                    "prefill went silent, until it is proven gone.",
+                                    value=self.node.quarantined_pages())
+            for name, key, doc in (
+                    ("quarantines", "quarantines", "Requests whose pages were quarantined (silent prefill)."),
+                    ("quarantine_expiries", "quarantine_expiries",
+                     "Quarantined requests released by the upper bound, without proof."),
+                    ("quarantined_pages", "pages_quarantined", "Pages that entered quarantine."),
+                    ("expired_pages", "pages_expired", "Pages released by the quarantine's upper bound."),
+                    ("peer_recoveries", "peer_recoveries",
+                     "Dead prefill nodes back through a new handshake."),
+            ):
+                yield CounterMetricFamily(f"dsa_bridge_{name}", doc, value=c[key])
 
 
 class MetricsServer:

@@ -24,6 +24,7 @@ from dsa_bridge.transfer.control import parse_endpoint
 
 MAX_REQUESTS = 1_000_000  # request lengths are drawn up front, one int64 each
 MAX_LAYERS = 4096  # a layout holds one id per layer; real models have fewer than 200
+MIN_QUARANTINE_S = 2.0  # decode's proof that a prefill's process is gone takes 1 s of refusals
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -92,6 +93,15 @@ def timeout_seconds(text: str) -> float:
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
             f"must be a finite number of seconds > 0, got {text!r}") from None
+
+
+def quarantine_seconds(text: str) -> float:
+    """``--quarantine-timeout``: seconds, finite and at least MIN_QUARANTINE_S (a shorter bound
+    would end every quarantine before a gone prefill could be proven gone)."""
+    value = timeout_seconds(text)
+    if value < MIN_QUARANTINE_S:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_QUARANTINE_S:g} seconds, got {text!r}")
+    return value
 
 
 def log_level(text: str) -> str:

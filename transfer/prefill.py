@@ -57,6 +57,18 @@ class DecodePeer:
     pairs: list[BufferPair]
     last_seen: float
     rooms: set[int] = field(default_factory=set)
+    session: bytes = b""  # decode's session: a later Hello of it ends this epoch
+    senders: list[KVSender] = field(default_factory=list)  # once dropped: its rooms' senders
+    dropped_at: float = 0.0
+
+
+@dataclass
+class _Fence:
+    """A re-handshake's answer, held until none of the session's earlier writes can run."""
+
+    identity: bytes
+    hello: protocol.Hello
+    senders: list[KVSender]
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,7 @@ class KVSender:
     def __init__(self, node: PrefillNode, room: int, timeout_s: float):
         self.node = node
         self.room = room
-        self.state = RequestState(room, timeout_s)
+        self.state = RequestState(room, timeout_s, time.monotonic())
         self.num_pages: int | None = None
         self.pages_sent = 0
         self.chunks_sent = 0
@@ -152,6 +164,8 @@ class PrefillNode:
         self._rooms: dict[int, _Room] = {}
         self._senders: dict[int, KVSender] = {}
         self._gone: dict[int, tuple[str, float]] = {}  # room -> (why, when) its decode left
+        self._departed: list[DecodePeer] = []  # dropped decode peers, while their writes matter
+        self._fences: dict[bytes, _Fence] = {}  # session -> the answer it waits for
         self._next_heartbeat = 0.0
 
         self._context = zmq.Context()
@@ -185,7 +199,7 @@ class PrefillNode:
             sender = KVSender(self, room, self.request_timeout_s)
             self._senders[room] = sender
             if room in self._rooms:
-                sender.state.advance(KVPoll.WaitingForInput)
+                sender.state.advance(KVPoll.WaitingForInput, time.monotonic())
             gone = self._gone.pop(room, None)
             if gone is not None:  # its decode node was dropped before the application came
                 self._fail(sender, gone[0])
@@ -243,7 +257,7 @@ class PrefillNode:
         room = self._rooms.get(sender.room)
         if room is None or not sender.pending:
             return
-        sender.state.advance(KVPoll.Transferring)
+        sender.state.advance(KVPoll.Transferring, time.monotonic())
         for offset, pages, last in sender.pending:
             sender.busy += 1
             self._writer.submit(Job(sender, room, room.peer.engine_peer, room.peer.pairs, offset,
@@ -252,7 +266,7 @@ class PrefillNode:
 
     def _fail(self, sender: KVSender, reason: str, *, in_flight: bool = False) -> None:
         with self._lock:
-            if sender.state.fail(reason):
+            if sender.state.fail(reason, time.monotonic()):
                 self.counters.request_failed(reason)
                 log.warning("%s: room %d failed: %s", self.name, sender.room, reason)
             self._report_failure(sender, in_flight=in_flight)
@@ -312,7 +326,7 @@ class PrefillNode:
                 sender.room, sender.chunks_sent - 1, ok=True, last=last, nbytes=plan.nbytes,
                 descriptors=plan.descriptors, write_seconds=seconds, checksums=sums),
                 room.peer.identity)
-            if last and sender.state.advance(KVPoll.Success):
+            if last and sender.state.advance(KVPoll.Success, time.monotonic()):
                 state = sender.state
                 self.counters.request_ok(state.finished_at - (state.transferring_at or state.created))
 
@@ -362,22 +376,44 @@ class PrefillNode:
             log.warning("%s: refused %s: %s", self.name, hello.node, exc)
             self._loop.send(self._socket, self._ack(False, str(exc), hello), identity)
             return
+        session = hello.session or identity
         with self._lock:
-            old = self._peers.pop(identity, None)
-            if old is not None:  # a re-handshake replaces the old layout and its rooms
-                self._drop_peer(old, "decode re-handshaked")
+            # a re-handshake (same connection or same session) ends the earlier epochs: their
+            # rooms are dropped, and the answer waits until none of their writes can still run
+            old = [p for p in self._peers.values() if p.identity == identity or p.session == session]
+            for peer in old:
+                del self._peers[peer.identity]
+                self._drop_peer(peer, "decode re-handshaked")
             self._peers[identity] = DecodePeer(identity, hello.node, engine_peer, pairs,
-                                               time.monotonic())
-            if old is not None:
-                self._disconnect_engine(old)
-        self.counters.add(handshakes_ok=1)
-        log.info("%s: paired with %s (%d buffers)", self.name, hello.node, len(pairs))
-        self._loop.send(self._socket, self._ack(True, "", hello), identity)
+                                               time.monotonic(), session=session)
+            for peer in old:
+                self._disconnect_engine(peer)
+            self._fences[session] = _Fence(identity, hello, [
+                s for p in self._departed if p.session == session for s in p.senders])
+            self.counters.add(handshakes_ok=1)
+            log.info("%s: paired with %s (%d buffers)", self.name, hello.node, len(pairs))
+            self._answer_fenced()
 
-    def _ack(self, ok: bool, reason: str, hello: protocol.Hello) -> protocol.HelloAck:
+    def _answer_fenced(self) -> None:
+        """Answer the handshakes none of whose session's earlier writes can still run
+        (``busy == 0``); name the rooms a failed engine write of theirs may still land in."""
+        for session, fence in list(self._fences.items()):
+            if any(s.busy for s in fence.senders):
+                continue
+            del self._fences[session]
+            ack = msgspec.structs.replace(
+                self._ack(True, "", fence.hello, unsigned=True),
+                in_flight=sorted({s.room for s in fence.senders if s.write_failed}))
+            self._loop.send(self._socket, self._sign(ack, fence.hello), fence.identity)
+
+    def _ack(self, ok: bool, reason: str, hello: protocol.Hello, *,
+             unsigned: bool = False) -> protocol.HelloAck:
         """The answer to ``hello``, signed together with its nonce when a secret is set."""
         ack = protocol.HelloAck(protocol.PROTOCOL_VERSION, ok, reason, self.name,
-                                self.layout.to_dict(), self.layout.layout_hash())
+                                self.layout.to_dict(), self.layout.layout_hash(), epoch=hello.epoch)
+        return ack if unsigned else self._sign(ack, hello)
+
+    def _sign(self, ack: protocol.HelloAck, hello: protocol.Hello) -> protocol.HelloAck:
         if not self.secret:
             return ack
         return msgspec.structs.replace(ack, auth=auth.sign(
@@ -409,7 +445,7 @@ class PrefillNode:
         if sender.state.status == KVPoll.Failed:  # failed before decode's pages arrived
             self._report_failure(sender, in_flight=False)
             return
-        sender.state.advance(KVPoll.WaitingForInput)
+        sender.state.advance(KVPoll.WaitingForInput, time.monotonic())
         if sender.num_pages is not None and sender.num_pages != dst.size:
             self._fail(sender, f"page count mismatch: prefill has {sender.num_pages} pages, "
                                f"decode allocated {dst.size}")
@@ -451,13 +487,20 @@ class PrefillNode:
             room.peer.rooms.discard(room_id)
 
     def _drop_peer(self, peer: DecodePeer, reason: str) -> None:
+        """Fail a dropped decode node's rooms; its senders are kept (``_departed``) for the fence
+        of its session's next handshake."""
+        now = time.monotonic()
         for room in list(peer.rooms):
             sender = self._senders.get(room)
             if sender is None:  # offered on ``incoming``: a sender made later fails at once
-                self._gone[room] = (reason, time.monotonic())
-            elif sender.state.fail(reason):
-                self.counters.request_failed(reason)
+                self._gone[room] = (reason, now)
+            else:
+                peer.senders.append(sender)
+                if sender.state.fail(reason, now):
+                    self.counters.request_failed(reason)
             self._rooms.pop(room, None)
+        peer.dropped_at = now
+        self._departed.append(peer)
 
     def _disconnect_engine(self, peer: DecodePeer) -> None:
         """Release the engine's connections to a dropped decode node (Mooncake keeps them open
@@ -488,6 +531,11 @@ class PrefillNode:
             if self._gone:
                 self._gone = {r: g for r, g in self._gone.items()
                               if now - g[1] <= self.request_timeout_s}
+            if self._fences:
+                self._answer_fenced()
+            if self._departed:  # kept while a write may run, and long enough for a re-handshake
+                self._departed = [p for p in self._departed if any(s.busy for s in p.senders)
+                                  or now - p.dropped_at <= self.request_timeout_s]
             for room_id, room in list(self._rooms.items()):
                 if room_id not in self._senders and now - room.received_at > self.request_timeout_s:
                     del self._rooms[room_id]

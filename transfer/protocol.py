@@ -1,11 +1,14 @@
 """Wire messages of the control plane: typed, versioned, msgpack-encoded tagged unions.
 
 Decode connects to prefill and opens with ``Hello`` (its layout, the layout hash, its engine
-metadata, the buffers it registered and the indexer layers its attention reads); prefill answers
-``HelloAck`` with its own layout. Then per request decode sends ``RequestPages`` and prefill
-answers with one ``ChunkDone`` per chunk it wrote (with the chunk's page checksums when prefill
-runs with them). Either side may send ``Abort``; both send ``Heartbeat``. Data never travels
-here, only page ids, checksums and states.
+metadata, the buffers it registered and the indexer layers its attention reads, its session id
+and epoch); prefill answers ``HelloAck`` with its own layout. A later Hello of the same session
+(decode re-handshaking with a prefill it had marked dead) ends the earlier epochs: prefill drops
+their rooms and answers only once none of their writes can still run, so on the one connection
+everything after the new HelloAck belongs to the new epoch. Then per request decode sends
+``RequestPages`` and prefill answers with one ``ChunkDone`` per chunk it wrote (with the chunk's
+page checksums when prefill runs with them). Either side may send ``Abort``; both send
+``Heartbeat``. Data never travels here, only page ids, checksums and states.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import msgspec
 
 # 1: first version (layout + buffers handshake, per-chunk completion, abort, heartbeat).
 # 2: layer sets: layouts carry index_layer_ids; Hello carries the indexer layers decode reads.
-PROTOCOL_VERSION = 2
+# 3: sessions: Hello carries decode's session id and epoch (a re-handshake after decode marked the
+#    prefill dead), HelloAck echoes the epoch and names the rooms a failed write may still land in.
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
@@ -42,6 +47,8 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     nonce: bytes = b""
     sent_at: float = 0.0
     auth: bytes = b""
+    session: bytes = b""  # one per decode node: a later Hello of the same session replaces it
+    epoch: int = 0  # counts decode's handshakes of this session with this prefill node
 
 
 class HelloAck(msgspec.Struct, frozen=True, tag="hello_ack"):
@@ -52,6 +59,10 @@ class HelloAck(msgspec.Struct, frozen=True, tag="hello_ack"):
     layout: dict
     layout_hash: str
     auth: bytes = b""
+    epoch: int = 0  # the Hello's: decode accepts only the answer to its latest Hello
+    # rooms of the session's earlier epochs whose failed engine write may still land (all other
+    # writes of those epochs have finished before this answer was sent)
+    in_flight: list[int] = []
 
 
 class RequestPages(msgspec.Struct, frozen=True, tag="request"):

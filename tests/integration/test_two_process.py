@@ -110,7 +110,7 @@ def test_bad_requests_fail_that_request_only(decode):
         decode.receiver(120).init([0, 1])
     rogue = decode.receiver(121)  # a decode node that skips its own checks: prefill refuses
     rogue.page_ids = np.array([5, 5000])
-    rogue.state.advance(KVPoll.WaitingForInput)
+    rogue.state.advance(KVPoll.WaitingForInput, 0.0)
     decode._loop.send(decode.peers[0].socket, protocol.RequestPages(121, [5, 5000], 128))
     wait_for(lambda: rogue.poll() == KVPoll.Failed, 30.0)
     assert "beyond the registered" in str(rogue.failure_exception())

@@ -147,7 +147,7 @@ class Harness:
                                    protocol.RequestPages(room, wire[:1], 64))
         elif kind.startswith("dst"):  # a decode node that skips its own checks
             receiver.page_ids = np.asarray(wire or [1])
-            receiver.state.advance(KVPoll.WaitingForInput)
+            receiver.state.advance(KVPoll.WaitingForInput, 0.0)
             self.decode._loop.send(self.decode.peers[0].socket,
                                    protocol.RequestPages(room, wire, 64 * len(wire)))
         else:

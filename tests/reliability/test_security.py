@@ -63,7 +63,7 @@ def rogue_request(decode: DecodeNode, room: int, pages: list[int]):
     """RequestPages straight onto the wire, as a decode node without its own checks would."""
     receiver = decode.receiver(room)
     receiver.page_ids = np.ones(1, dtype=np.int64)
-    receiver.state.advance(KVPoll.WaitingForInput)
+    receiver.state.advance(KVPoll.WaitingForInput, 0.0)
     decode._loop.send(decode.peers[0].socket, protocol.RequestPages(room, pages, 64))
     return receiver
 

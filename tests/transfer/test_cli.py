@@ -98,6 +98,10 @@ BAD_OPTIONS = [
     *[([*role, option, value], f"argument {option}: must be a finite number of seconds > 0")
       for role, option in TIMEOUTS for value in ("nan", "inf", "0", "-1")],
     (["demo", "--timeout", "soon"], "argument --timeout: must be a finite number of seconds"),
+    *[([*DECODE, "--quarantine-timeout", value], message) for value, message in (
+        ("nan", "argument --quarantine-timeout: must be a finite number of seconds > 0"),
+        ("0", "argument --quarantine-timeout: must be a finite number of seconds > 0"),
+        ("1.5", "argument --quarantine-timeout: must be at least 2 seconds, got '1.5'"))],
     # endpoints and hosts
     (["prefill", "--listen", "nonsense"], "argument --listen: must be HOST:PORT"),
     (["prefill", "--listen", "no-such-host.invalid:0"], "argument --listen: cannot resolve host"),
@@ -274,3 +278,8 @@ def test_demo_is_quiet_and_separates_transfer_from_filling(backend):
         assert summary[key] > 0, key
     assert summary["transfer_seconds"] <= summary["request_seconds"]  # ready comes after init
     assert summary["gbps"] >= summary["request_gbps"]
+
+
+def test_quarantine_timeout_reaches_the_decode_options():
+    assert cli.build_parser().parse_args([*DECODE]).quarantine_timeout == 600.0
+    assert cli.build_parser().parse_args([*DECODE, "--quarantine-timeout", "30"]).quarantine_timeout == 30.0

@@ -10,6 +10,8 @@ engines in real processes in tests/integration/test_layer_sets_processes.py.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -188,15 +190,18 @@ def test_a_stage_reporting_short_or_twice_fails_the_request(closing):
     receiver.init(DST)
     peer = decode.peers[0]
     with decode._lock:  # what a buggy stage would send: one small "last" chunk
-        decode._on_chunk(peer, protocol.ChunkDone(5, 0, ok=True, last=True, nbytes=8))
+        decode._on_chunk_locked(peer, protocol.ChunkDone(5, 0, ok=True, last=True, nbytes=8),
+                                time.monotonic())
     assert receiver.poll() == KVPoll.Failed
     assert "wrote 8 bytes, expected" in str(receiver.failure_exception())
     receiver = decode.receiver(6)
     receiver.init(DST)
     part = len(DST) * peer.page_bytes
     with decode._lock:
-        decode._on_chunk(peer, protocol.ChunkDone(6, 0, ok=True, last=True, nbytes=part))
-        decode._on_chunk(peer, protocol.ChunkDone(6, 1, ok=True, last=True, nbytes=part))
+        decode._on_chunk_locked(peer, protocol.ChunkDone(6, 0, ok=True, last=True, nbytes=part),
+                                time.monotonic())
+        decode._on_chunk_locked(peer, protocol.ChunkDone(6, 1, ok=True, last=True, nbytes=part),
+                                time.monotonic())
     assert receiver.poll() == KVPoll.Failed
     assert "reported its last chunk twice" in str(receiver.failure_exception())
 

@@ -133,7 +133,7 @@ def test_handshake_mismatch_is_refused_naming_the_field(label, change, field):
 def test_protocol_version_mismatch(monkeypatch):
     with PrefillNode(make_pool(), FakeBackend()) as prefill:
         monkeypatch.setattr(protocol, "PROTOCOL_VERSION", 99)
-        with pytest.raises(HandshakeError, match="protocol version: peer 99 != local 2"):
+        with pytest.raises(HandshakeError, match="protocol version: peer 99 != local 3"):
             DecodeNode(make_pool(), FakeBackend(), prefill.endpoint)
 
 
@@ -166,7 +166,7 @@ def raw_request(decode, room, pages):
     """Bypass the receiver's own checks, as a misbehaving decode node would."""
     receiver = decode.receiver(room)
     receiver.page_ids = np.asarray(pages)
-    receiver.state.advance(KVPoll.WaitingForInput)
+    receiver.state.advance(KVPoll.WaitingForInput, 0.0)
     decode._loop.send(decode.peers[0].socket, protocol.RequestPages(room, pages, 64))
     return receiver
 

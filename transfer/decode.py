@@ -25,9 +25,9 @@ import numpy as np
 import zmq
 
 from dsa_bridge.plugin.layout import DSALayout
-from dsa_bridge.transfer import auth, checksum, protocol
+from dsa_bridge.transfer import auth, checksum, limits, protocol
 from dsa_bridge.transfer.backends.base import MemoryRegion, TransferBackend
-from dsa_bridge.transfer.control import ControlLoop, parse_endpoint, zmq_address
+from dsa_bridge.transfer.control import ControlLoop, limit_receive, parse_endpoint, zmq_address
 from dsa_bridge.transfer.counters import Counters
 from dsa_bridge.transfer.handshake import (
     BufferKey,
@@ -203,6 +203,7 @@ class DecodeNode:
         host, port = parse_endpoint(endpoint, "prefill")
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        limit_receive(sock, limits.decode_receive_bytes(self.layout, self.buffers))
         sock.connect(zmq_address(host, port))
         hello = protocol.Hello(
             protocol.PROTOCOL_VERSION, self.name, self.backend.name, self.layout.to_dict(),

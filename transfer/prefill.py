@@ -22,9 +22,9 @@ import msgspec
 import numpy as np
 import zmq
 
-from dsa_bridge.transfer import auth, checksum, protocol
+from dsa_bridge.transfer import auth, checksum, limits, protocol
 from dsa_bridge.transfer.backends.base import BackendError, MemoryRegion, TransferBackend
-from dsa_bridge.transfer.control import ControlLoop, parse_endpoint, zmq_address
+from dsa_bridge.transfer.control import ControlLoop, limit_receive, parse_endpoint, zmq_address
 from dsa_bridge.transfer.counters import Counters
 from dsa_bridge.transfer.handshake import (
     HandshakeError,
@@ -157,6 +157,7 @@ class PrefillNode:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        limit_receive(self._socket, limits.prefill_receive_bytes(self.layout, backend.name, self.buffers))
         try:
             if port == 0:
                 port = self._socket.bind_to_random_port(zmq_address(host, 0).rsplit(":", 1)[0])

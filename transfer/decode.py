@@ -416,3 +416,4 @@ class DecodeNode:
                 for peer in self.peers:
                     self._loop.send(peer.socket, protocol.Heartbeat(time.time()))
         self.counters.bad_messages = self._loop.bad_messages
+        self.counters.max_tick_gap_s = self._loop.max_tick_gap_s

@@ -12,6 +12,7 @@ application on ``incoming``.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -138,7 +139,7 @@ class PrefillNode:
         self._views: dict | None = None  # the pool's page views, made when checksums first run
         self._replays = auth.ReplayGuard()
         self.counters = Counters()
-        self.refusals: list[str] = []
+        self.refusals: collections.deque[str] = collections.deque(maxlen=100)  # the latest
         # a Queue, not a SimpleQueue: CPython 3.11's SimpleQueue.get(timeout) blocks forever when
         # a signal interrupts it near its deadline, and applications wait on this one with a
         # timeout in their main thread, where SIGTERM arrives
@@ -518,3 +519,4 @@ class PrefillNode:
                 for peer in self._peers.values():
                     self._loop.send(self._socket, protocol.Heartbeat(time.time()), peer.identity)
         self.counters.bad_messages = self._loop.bad_messages
+        self.counters.max_tick_gap_s = self._loop.max_tick_gap_s

@@ -61,14 +61,23 @@ def page_bytes(layout: DSALayout, kind: str) -> int:
 
 
 def _check_one(d: BufferDescriptor) -> None:
+    """One descriptor on its own; the error names the field: layer_id, kind, ptr, nbytes,
+    item_len. Constant time: the gate a peer's announced buffers pass one by one."""
+    for field in ("layer_id", "ptr", "nbytes", "item_len"):
+        value = getattr(d, field)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"layer {d.layer_id!r}: {field} must be an int, got {value!r}")
+    if d.layer_id < 0:
+        raise ValueError(f"layer {d.layer_id}: layer_id must be >= 0")
     if d.kind not in CACHE_KINDS:
         raise ValueError(f"layer {d.layer_id}: kind must be one of {CACHE_KINDS}, got {d.kind!r}")
     if d.nbytes <= 0:
         raise ValueError(f"{d.name()}: nbytes is {d.nbytes} (zero-size buffer)")
     if d.ptr <= 0:
-        raise ValueError(f"{d.name()}: {'null' if d.ptr == 0 else 'negative'} pointer {d.ptr}")
+        raise ValueError(f"{d.name()}: {'null' if d.ptr == 0 else 'negative'} pointer (ptr={d.ptr})")
     if d.end >= ADDRESS_LIMIT:
-        raise ValueError(f"{d.name()}: [{d.ptr:#x}, {d.end:#x}) reaches past 2**63")
+        raise ValueError(f"{d.name()}: ptr + nbytes = {d.end:#x} reaches past 2**63 "
+                         f"(ptr={d.ptr:#x}, nbytes={d.nbytes})")
     if d.item_len <= 0:
         raise ValueError(f"{d.name()}: item_len is {d.item_len}")
     if d.nbytes % d.item_len:

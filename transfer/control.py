@@ -5,6 +5,15 @@ through a pipe so that a queued message leaves at once rather than at the next p
 loop sends what is queued, decodes what arrives (a malformed message is counted and dropped, never
 fatal), and calls the node's ``on_tick`` every few milliseconds for heartbeats, deadlines and
 engine progress.
+
+The work between two ticks is bounded, so that no peer can starve the tick: each round takes at
+most ``batch`` messages, one socket after another (a ROUTER socket fair-queues its own peers), and
+stops early once ``budget_s`` has passed; then the tick runs, whatever is still queued. A round
+therefore lasts at most ``budget_s`` plus the handling of one message, whose size the socket's
+receive limit (``limit_receive``, ZMQ_MAXMSGSIZE: larger messages are dropped by ZMQ before any
+allocation and their connection is closed) and the protocol's bounds keep small. Dropped messages
+are logged one by one up to ``LOG_BURST`` per second and summarised beyond that, so that a flood
+cannot turn into a flood of log lines. ``max_tick_gap_s`` is the longest time between two ticks.
 """
 
 from __future__ import annotations
@@ -26,6 +35,11 @@ log = logging.getLogger(__name__)
 
 OnMessage = Callable[[zmq.Socket, bytes, Message], None]
 
+BATCH = 64  # messages per round, over all sockets
+BUDGET_S = 0.005  # a round stops taking messages after this long; the tick runs next
+LOG_BURST = 10  # dropped messages logged one by one per LOG_WINDOW_S; the rest summarised
+LOG_WINDOW_S = 1.0
+
 
 def parse_endpoint(text: str, name: str = "endpoint") -> tuple[str, int]:
     """'HOST:PORT' -> (host, port); port 0 means "any free port" when listening."""
@@ -39,22 +53,40 @@ def zmq_address(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+def limit_receive(sock: zmq.Socket, max_bytes: int) -> None:
+    """Make ZMQ drop any received message larger than ``max_bytes`` before allocating it, and
+    close the connection it came on (the peer may reconnect; the node is untouched). Call before
+    ``bind``/``connect``: ZMQ copies the option into each listener and connection it makes."""
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+
+
 class ControlLoop:
     """Runs ``on_message`` for each decoded message and ``on_tick`` periodically, in one thread."""
 
     def __init__(self, name: str, on_message: OnMessage, on_tick: Callable[[float], None],
-                 poll_ms: int = 2):
+                 poll_ms: int = 2, *, batch: int = BATCH, budget_s: float = BUDGET_S):
+        if batch < 1 or budget_s <= 0:
+            raise ValueError(f"batch must be >= 1 and budget_s > 0, got {batch} and {budget_s}")
         self.name = name
         self._on_message = on_message
         self._on_tick = on_tick
         self._poll_ms = poll_ms
+        self._batch = batch
+        self._budget_s = budget_s
         self._outbox: queue.SimpleQueue[tuple[zmq.Socket, bytes | None, bytes]] = queue.SimpleQueue()
         self._sockets: list[zmq.Socket] = []
+        self._limits: dict[zmq.Socket, int] = {}  # the largest message each socket may decode
+        self._next = 0  # the socket the next round starts with
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.bad_messages = 0
         self.last_error = ""
-        self.max_tick_gap_s = 0.0  # the longest interval between two tick starts (reset freely)
+        self.max_tick_gap_s = 0.0  # longest time between two ticks (or the start and the first)
+        self._window_start = 0.0
+        self._logged = 0  # dropped messages logged one by one in this window
+        self._suppressed = 0  # ...and not logged
         self._wake_lock = threading.Lock()
         self._wake_r = self._wake_w = -1  # the wake-up pipe, open while the loop runs
 
@@ -62,6 +94,8 @@ class ControlLoop:
         if self._thread is not None:
             raise RuntimeError("add sockets before the loop starts")
         self._sockets.append(sock)
+        limit = sock.getsockopt(zmq.MAXMSGSIZE)
+        self._limits[sock] = limit if limit > 0 else protocol.MAX_MESSAGE_BYTES
 
     def send(self, sock: zmq.Socket, message: Message, identity: bytes | None = None) -> None:
         """Queue a message (thread-safe). ``identity`` addresses a peer of a ROUTER socket."""
@@ -118,45 +152,82 @@ class ControlLoop:
             while os.read(self._wake_r, 4096):
                 pass
 
-    def _receive(self, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            identity = frames[0] if sock.type == zmq.ROUTER else b""
-            payload = frames[-1]
-            try:
-                if len(frames) != (2 if sock.type == zmq.ROUTER else 1):
-                    raise ProtocolError(f"expected one payload frame, got {len(frames)} frames")
-                message = protocol.decode(payload)
-                self._on_message(sock, identity, message)
-            except ProtocolError as exc:
-                self.bad_messages += 1
-                self.last_error = str(exc)
-                log.warning("%s: dropped a message: %s", self.name, exc)
-            except Exception as exc:  # a handler bug must not take the node down
-                self.bad_messages += 1
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.exception("%s: handling a message failed", self.name)
+    def _receive_one(self, sock: zmq.Socket) -> bool:
+        """Take and handle one message from ``sock``; False when none is waiting."""
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        identity = frames[0] if sock.type == zmq.ROUTER else b""
+        try:
+            if len(frames) != (2 if sock.type == zmq.ROUTER else 1):
+                raise ProtocolError(f"expected one payload frame, got {len(frames)} frames")
+            message = protocol.decode(frames[-1], self._limits[sock])
+            self._on_message(sock, identity, message)
+        except ProtocolError as exc:
+            self._dropped(str(exc), bug=False)
+        except Exception as exc:  # a handler bug must not take the node down
+            self._dropped(f"{type(exc).__name__}: {exc}", bug=True)
+        return True
+
+    def _receive(self, ready: list[zmq.Socket]) -> None:
+        """One round: up to ``batch`` messages, the ready sockets in turn, within the budget."""
+        if not ready:
+            return
+        start = self._next % len(ready)
+        pending = ready[start:] + ready[:start]
+        self._next += 1
+        deadline = time.monotonic() + self._budget_s
+        taken = 0
+        while pending:
+            for sock in list(pending):
+                if not self._receive_one(sock):
+                    pending.remove(sock)
+                    continue
+                taken += 1
+                if taken >= self._batch or time.monotonic() >= deadline:
+                    return
+
+    def _dropped(self, error: str, *, bug: bool) -> None:
+        self.bad_messages += 1
+        self.last_error = error
+        if self._logged >= LOG_BURST:
+            self._suppressed += 1
+            return
+        self._logged += 1
+        if bug:
+            log.exception("%s: handling a message failed", self.name)
+        else:
+            log.warning("%s: dropped a message: %s", self.name, error)
+
+    def _log_window(self, now: float, *, final: bool = False) -> None:
+        """Every LOG_WINDOW_S (and on stop): summarise the drops not logged one by one."""
+        if not final and now - self._window_start < LOG_WINDOW_S:
+            return
+        if self._suppressed:
+            log.warning("%s: dropped %d more messages in %.1fs, not logged one by one; last: %s",
+                        self.name, self._suppressed, now - self._window_start, self.last_error)
+        self._window_start, self._logged, self._suppressed = now, 0, 0
 
     def _run(self) -> None:
         poller = zmq.Poller()
         for sock in self._sockets:
             poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        last_tick = time.monotonic()
+        last_tick = self._window_start = time.monotonic()
         while not self._stop.is_set():
             self._flush()
-            for sock, _ in poller.poll(self._poll_ms):
-                if sock == self._wake_r:
-                    self._drain_wakes()
-                else:
-                    self._receive(sock)
+            events = dict(poller.poll(self._poll_ms))
+            if self._wake_r in events:
+                self._drain_wakes()
+            self._receive([sock for sock in self._sockets if sock in events])
             now = time.monotonic()
-            self.max_tick_gap_s, last_tick = max(self.max_tick_gap_s, now - last_tick), now
+            self.max_tick_gap_s = max(self.max_tick_gap_s, now - last_tick)
+            last_tick = now
             try:
                 self._on_tick(now)
             except Exception:  # a bug in a tick must not silently stop heartbeats
                 log.exception("%s: tick failed", self.name)
+            self._log_window(now)
         self._flush()
+        self._log_window(time.monotonic(), final=True)

@@ -47,6 +47,7 @@ class Counters:
     handshakes_ok: int = 0
     handshakes_refused: int = 0
     bad_messages: int = 0
+    max_tick_gap_s: float = 0.0  # the control loop's longest time between two ticks
     write_seconds: float = 0.0
     checksums_computed: int = 0  # (buffer, page) checksums prefill sent
     checksums_verified: int = 0  # (buffer, page) checksums decode found equal

@@ -26,9 +26,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from dsa_bridge.plugin.layout import DSALayout
-from dsa_bridge.transfer import auth, checksum, protocol
+from dsa_bridge.transfer import auth, checksum, limits, protocol
 from dsa_bridge.transfer.backends.base import MemoryRegion, TransferBackend
-from dsa_bridge.transfer.control import ControlLoop, parse_endpoint, zmq_address
+from dsa_bridge.transfer.control import ControlLoop, limit_receive, parse_endpoint, zmq_address
 from dsa_bridge.transfer.counters import Counters
 from dsa_bridge.transfer.handshake import (
     BufferKey,
@@ -267,6 +267,7 @@ class DecodeNode:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
+        limit_receive(sock, limits.decode_receive_bytes(self.layout, self.buffers))
         sock.connect(zmq_address(host, port))
         hello = self._hello(0)
         sock.send(protocol.encode(hello))
@@ -569,3 +570,4 @@ class DecodeNode:
                     if peer.link_down_since is None:  # the port would get them first
                         self._loop.send(peer.socket, protocol.Heartbeat(time.time()))
         self.counters.bad_messages = self._loop.bad_messages
+        self.counters.max_tick_gap_s = self._loop.max_tick_gap_s

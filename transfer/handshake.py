@@ -12,6 +12,12 @@ geometry (page size, dtypes, dims) must be equal; the layer sets may differ:
   compact decode sends only decode's indexer layers; compact prefill -> uniform decode is refused
   unless decode declares it reads only the producer layers' indexers;
 - the prefill nodes of one request together hold each of decode's layers exactly once.
+
+What a peer announces is bounded before it is looked at one element at a time: the decoder
+refuses more than ``protocol.MAX_BUFFERS`` buffers or ``MAX_LAYERS`` indexer reads, ``check_peer``
+a layout of more than ``MAX_LAYERS`` layers before building it, ``pair_with_peer`` a buffer list
+whose length is not exactly what the peer's layout holds before checking any buffer; every check
+after that is linear in the (bounded) count, or n log n for the overlap sweep.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dsa_bridge.plugin.descriptors import BufferDescriptor, validate_descriptors
 from dsa_bridge.plugin.layout import DSALayout
 from dsa_bridge.transfer.plan import Buffer, BufferPair, PlanError, pair_buffers
-from dsa_bridge.transfer.protocol import PROTOCOL_VERSION, BufferInfo
+from dsa_bridge.transfer.protocol import MAX_BUFFERS, MAX_LAYERS, PROTOCOL_VERSION, BufferInfo
 
 BufferKey = tuple[int, str]  # (global layer id, cache kind)
 
@@ -36,7 +42,22 @@ def pool_buffers(pool) -> list[Buffer]:
 
 
 def buffer_infos(buffers: list[Buffer]) -> list[BufferInfo]:
+    """Our buffers as a Hello announces them; HandshakeError if the protocol cannot carry them."""
+    if len(buffers) > MAX_BUFFERS:
+        raise HandshakeError(f"buffers: this node holds {len(buffers)}, more than the "
+                             f"{MAX_BUFFERS} a Hello carries")
     return [BufferInfo(b.layer_id, b.kind, b.ptr, b.nbytes, b.item_len) for b in buffers]
+
+
+def check_layer_counts(peer_layout: object) -> None:
+    """A peer's layout lists at most MAX_LAYERS layers (checked before it is built)."""
+    if not isinstance(peer_layout, dict):
+        return  # DSALayout.from_dict names the problem
+    for name in ("layer_ids", "index_layer_ids"):
+        value = peer_layout.get(name)
+        if isinstance(value, (list, tuple)) and len(value) > MAX_LAYERS:
+            raise HandshakeError(f"peer layout is invalid: {name} lists {len(value)} layers, more "
+                                 f"than the {MAX_LAYERS} the protocol carries")
 
 
 def check_peer(local: DSALayout, backend: str, *, version: int, peer_backend: str,
@@ -47,6 +68,7 @@ def check_peer(local: DSALayout, backend: str, *, version: int, peer_backend: st
         raise HandshakeError(f"protocol version: peer {version} != local {PROTOCOL_VERSION}")
     if peer_backend != backend:
         raise HandshakeError(f"backend: peer {peer_backend!r} != local {backend!r}")
+    check_layer_counts(peer_layout)
     try:
         layout = DSALayout.from_dict(peer_layout)
     except (ValueError, TypeError, KeyError) as exc:
@@ -64,7 +86,8 @@ def check_index_reads(decode: DSALayout, reads: Iterable[int] | None) -> tuple[i
     if reads is None:
         return decode.index_layer_ids
     ids = tuple(sorted(set(reads)))
-    stray = [lid for lid in ids if not decode.holds_indexer(lid)]
+    held = set(decode.index_layer_ids)
+    stray = [lid for lid in ids if lid not in held]
     if stray:
         raise ValueError(f"index_reads: layer {stray[0]}: decode cannot read an indexer it lacks "
                          f"({decode.absent_indexer(stray[0])})")
@@ -109,7 +132,12 @@ def check_stages(decode: DSALayout, stages: Sequence[tuple[str, DSALayout]]) -> 
 def pair_with_peer(peer_layout: DSALayout, local: list[Buffer], peer: list[BufferInfo],
                    keys: Sequence[BufferKey]) -> list[BufferPair]:
     """Validate the peer's announced buffers against its layout and pair the ``keys`` buffers
-    with ours by global layer id; the pairs are the only addresses writes may ever target."""
+    with ours by global layer id; the pairs are the only addresses writes may ever target. The
+    count is checked first: exactly one buffer per layer and one per indexer of its layout."""
+    expected = peer_layout.num_layers + len(peer_layout.index_layer_ids)
+    if len(peer) != expected:
+        raise HandshakeError(f"peer buffers: {len(peer)} announced, but its layout holds {expected} "
+                             f"({peer_layout.num_layers} KV, {len(peer_layout.index_layer_ids)} indexer)")
     announced = [Buffer(b.layer_id, b.kind, b.ptr, b.nbytes, b.item_len) for b in peer]
     try:
         validate_descriptors(

@@ -13,6 +13,7 @@ sender yet are offered to the application on ``incoming``.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -23,9 +24,9 @@ import msgspec
 import numpy as np
 import zmq
 
-from dsa_bridge.transfer import auth, checksum, protocol
+from dsa_bridge.transfer import auth, checksum, limits, protocol
 from dsa_bridge.transfer.backends.base import BackendError, MemoryRegion, TransferBackend
-from dsa_bridge.transfer.control import ControlLoop, parse_endpoint, zmq_address
+from dsa_bridge.transfer.control import ControlLoop, limit_receive, parse_endpoint, zmq_address
 from dsa_bridge.transfer.counters import Counters
 from dsa_bridge.transfer.handshake import (
     HandshakeError,
@@ -151,7 +152,7 @@ class PrefillNode:
         self._views: dict | None = None  # the pool's page views, made when checksums first run
         self._replays = auth.ReplayGuard()
         self.counters = Counters()
-        self.refusals: list[str] = []
+        self.refusals: collections.deque[str] = collections.deque(maxlen=100)  # the latest
         # a Queue, not a SimpleQueue: CPython 3.11's SimpleQueue.get(timeout) blocks forever when
         # a signal interrupts it near its deadline, and applications wait on this one with a
         # timeout in their main thread, where SIGTERM arrives
@@ -171,6 +172,7 @@ class PrefillNode:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        limit_receive(self._socket, limits.prefill_receive_bytes(self.layout, backend.name, self.buffers))
         try:
             if port == 0:
                 port = self._socket.bind_to_random_port(zmq_address(host, 0).rsplit(":", 1)[0])
@@ -546,3 +548,4 @@ class PrefillNode:
                 for peer in self._peers.values():
                     self._loop.send(self._socket, protocol.Heartbeat(time.time()), peer.identity)
         self.counters.bad_messages = self._loop.bad_messages
+        self.counters.max_tick_gap_s = self._loop.max_tick_gap_s

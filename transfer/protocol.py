@@ -13,6 +13,8 @@ page checksums when prefill runs with them). Either side may send ``Abort``; bot
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 # 1: first version (layout + buffers handshake, per-chunk completion, abort, heartbeat).
@@ -20,7 +22,27 @@ import msgspec
 # 3: sessions: Hello carries decode's session id and epoch (a re-handshake after decode marked the
 #    prefill dead), HelloAck echoes the epoch and names the rooms a failed write may still land in.
 PROTOCOL_VERSION = 3
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # of any message; each node's sockets take less (limits.py)
+
+# Size bounds, checked by the decoder before it decodes a single element (a Hello of 600k buffers
+# is refused in microseconds, not decoded in half a second). Global layer ids of one model: the
+# largest DSA models have 62 (DeepSeek-V3.2) and 79 (GLM-5.2) layers with their draft layers.
+MAX_LAYERS = 512
+MAX_BUFFERS = 2 * MAX_LAYERS  # a KV and an indexer buffer per layer
+# An engine's connection metadata (a peer runs the same engine): Mooncake's is a "host:port"
+# session id; NIXL's grows with the regions registered: 542 bytes for 1 region, 75,467 for 1,000
+# (CPU; GPU regions carry larger remote keys) - 1 MiB leaves room for MAX_BUFFERS of ~1 KiB each.
+MAX_ENGINE_METADATA_BYTES = 1024 * 1024
+MAX_NAME_CHARS = 256  # node, backend and algorithm names
+MAX_REASON_CHARS = 4096  # why a request or a handshake failed; longer ones are cut on encode
+MAX_TOKEN_BYTES = 64  # nonces, signatures
+HASH_CHARS = 64  # sha256 hex
+MAX_ROOMS = 4096  # rooms named in one HelloAck (those of a dropped session whose failed write may land)
+
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
+Token = Annotated[bytes, msgspec.Meta(max_length=MAX_TOKEN_BYTES)]
+Hash = Annotated[str, msgspec.Meta(max_length=HASH_CHARS)]
 
 
 class ProtocolError(ValueError):
@@ -29,7 +51,7 @@ class ProtocolError(ValueError):
 
 class BufferInfo(msgspec.Struct, frozen=True, array_like=True):
     layer_id: int
-    kind: str
+    kind: Annotated[str, msgspec.Meta(max_length=8)]
     ptr: int
     nbytes: int
     item_len: int
@@ -37,32 +59,32 @@ class BufferInfo(msgspec.Struct, frozen=True, array_like=True):
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
     version: int
-    node: str
-    backend: str
+    node: Name
+    backend: Name
     layout: dict
-    layout_hash: str
-    engine_metadata: bytes
-    buffers: list[BufferInfo]
-    index_reads: list[int]
-    nonce: bytes = b""
+    layout_hash: Hash
+    engine_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_ENGINE_METADATA_BYTES)]
+    buffers: Annotated[list[BufferInfo], msgspec.Meta(max_length=MAX_BUFFERS)]
+    index_reads: Annotated[list[int], msgspec.Meta(max_length=MAX_LAYERS)]
+    nonce: Token = b""
     sent_at: float = 0.0
-    auth: bytes = b""
-    session: bytes = b""  # one per decode node: a later Hello of the same session replaces it
+    auth: Token = b""
+    session: Token = b""  # one per decode node: a later Hello of the same session replaces it
     epoch: int = 0  # counts decode's handshakes of this session with this prefill node
 
 
 class HelloAck(msgspec.Struct, frozen=True, tag="hello_ack"):
     version: int
     ok: bool
-    reason: str
-    node: str
+    reason: Reason
+    node: Name
     layout: dict
-    layout_hash: str
-    auth: bytes = b""
+    layout_hash: Hash
+    auth: Token = b""
     epoch: int = 0  # the Hello's: decode accepts only the answer to its latest Hello
     # rooms of the session's earlier epochs whose failed engine write may still land (all other
     # writes of those epochs have finished before this answer was sent)
-    in_flight: list[int] = []
+    in_flight: Annotated[list[int], msgspec.Meta(max_length=MAX_ROOMS)] = []
 
 
 class RequestPages(msgspec.Struct, frozen=True, tag="request"):
@@ -79,9 +101,10 @@ class PageChecksums(msgspec.Struct, frozen=True, array_like=True):
     pages in the chunk's order. The chunk covers decode's pages at ``[offset, offset + n)`` of
     the request."""
 
-    algorithm: str
+    algorithm: Name
     offset: int
-    buffers: list[tuple[int, str]]
+    buffers: Annotated[list[tuple[int, Annotated[str, msgspec.Meta(max_length=8)]]],
+                       msgspec.Meta(max_length=MAX_BUFFERS)]
     values: bytes
 
 
@@ -95,7 +118,7 @@ class ChunkDone(msgspec.Struct, frozen=True, tag="chunk_done"):
     chunk: int
     ok: bool
     last: bool
-    reason: str = ""
+    reason: Reason = ""
     nbytes: int = 0
     descriptors: int = 0
     write_seconds: float = 0.0
@@ -105,7 +128,7 @@ class ChunkDone(msgspec.Struct, frozen=True, tag="chunk_done"):
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
     room: int
-    reason: str
+    reason: Reason
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
@@ -118,8 +141,22 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
+_TEXT_LIMITS = (("reason", MAX_REASON_CHARS), ("node", MAX_NAME_CHARS))
+
+
+def bounded(message: Message) -> Message:
+    """``message`` with a reason or node name longer than the decoder takes cut to fit (marked
+    with a trailing "..."), so that what a node sends is never refused for its length."""
+    cuts = {}
+    for name, limit in _TEXT_LIMITS:
+        text = getattr(message, name, None)
+        if isinstance(text, str) and len(text) > limit:
+            cuts[name] = text[:limit - 3] + "..."
+    return msgspec.structs.replace(message, **cuts) if cuts else message
+
+
 def encode(message: Message) -> bytes:
-    return _encoder.encode(message)
+    return _encoder.encode(bounded(message))
 
 
 def signed_bytes(message: Hello | HelloAck) -> bytes:
@@ -127,10 +164,11 @@ def signed_bytes(message: Hello | HelloAck) -> bytes:
     return encode(msgspec.structs.replace(message, auth=b""))
 
 
-def decode(data: bytes) -> Message:
-    """Decode one message; any malformed, truncated or oversized input raises ProtocolError."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """Decode one message; any malformed, truncated or oversized input (more than ``max_bytes``,
+    or a field beyond its bound) raises ProtocolError."""
+    if len(data) > max_bytes:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {max_bytes}")
     try:
         return _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

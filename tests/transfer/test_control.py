@@ -1,0 +1,249 @@
+"""The control loop: bounded work between ticks, fair across sockets, a bounded log, the socket
+receive limit.
+
+A socket queued full of messages (junk or valid) must not keep the tick from running: at most
+``batch`` messages, and no more than the time budget allows, are handled between two ticks, and
+the sockets take turns. Messages beyond a socket's receive limit never reach the loop; the
+connection they came on is closed and the sender may reconnect.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from dsa_bridge.transfer import control, protocol
+from dsa_bridge.transfer.control import ControlLoop, limit_receive
+
+from .helpers import wait_for
+
+HEARTBEAT = protocol.encode(protocol.Heartbeat(1.0))
+
+
+class Pair:
+    """A PULL socket the loop owns and a PUSH socket the test floods it through."""
+
+    def __init__(self, context: zmq.Context, limit: int = 0):
+        self.inbox = context.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.setsockopt(zmq.RCVHWM, 0)
+        if limit:
+            limit_receive(self.inbox, limit)
+        port = self.inbox.bind_to_random_port("tcp://127.0.0.1")
+        self.push = context.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.setsockopt(zmq.SNDHWM, 0)
+        self.push.connect(f"tcp://127.0.0.1:{port}")
+
+    def close(self) -> None:
+        self.push.close(0)
+        self.inbox.close(0)
+
+
+class Recorder:
+    """The loop's callbacks: every message's socket and every tick's message count."""
+
+    def __init__(self, cost_s: float = 0.0):
+        self.cost_s = cost_s
+        self.handled: list[zmq.Socket] = []
+        self.at_tick: list[int] = []
+        self.lock = threading.Lock()
+
+    def on_message(self, sock, identity, message) -> None:
+        if self.cost_s:
+            time.sleep(self.cost_s)
+        with self.lock:
+            self.handled.append(sock)
+
+    def on_tick(self, now: float) -> None:
+        with self.lock:
+            self.at_tick.append(len(self.handled))
+
+
+@pytest.fixture
+def context():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.term()
+
+
+def queued(pair: Pair, count: int, data: bytes = HEARTBEAT) -> None:
+    """Queue ``count`` messages and wait until they reached the loop's socket's queue."""
+    for _ in range(count):
+        pair.push.send(data)
+    wait_for(lambda: pair.inbox.poll(0), 10, "the first message queued")
+    time.sleep(0.3)  # the rest of them cross loopback TCP
+
+
+def run(loop: ControlLoop, recorder: Recorder, total: int, timeout_s: float = 30) -> None:
+    loop.start()
+    try:
+        wait_for(lambda: len(recorder.handled) + loop.bad_messages >= total, timeout_s, "all handled")
+    finally:
+        loop.stop()
+
+
+def test_at_most_a_batch_is_handled_between_two_ticks(context):
+    pair = Pair(context)
+    recorder = Recorder()
+    loop = ControlLoop("t", recorder.on_message, recorder.on_tick, batch=16, budget_s=10.0)
+    loop.add_socket(pair.inbox)
+    try:
+        queued(pair, 5000)
+        run(loop, recorder, 5000)
+    finally:
+        pair.close()
+    steps = [b - a for a, b in zip(recorder.at_tick, recorder.at_tick[1:], strict=False)]
+    assert len(recorder.handled) == 5000
+    assert max(steps) == 16  # full batches while the queue lasted, never more
+    assert len(recorder.at_tick) >= 5000 // 16
+
+
+def test_the_time_budget_ends_a_round_before_its_batch(context):
+    pair = Pair(context)
+    recorder = Recorder(cost_s=0.004)
+    loop = ControlLoop("t", recorder.on_message, recorder.on_tick, batch=1000, budget_s=0.01)
+    loop.add_socket(pair.inbox)
+    try:
+        queued(pair, 100)
+        run(loop, recorder, 100)
+    finally:
+        pair.close()
+    steps = [b - a for a, b in zip(recorder.at_tick, recorder.at_tick[1:], strict=False)]
+    assert 1 < max(steps) <= 4  # 4 ms each: the budget of 10 ms is past after the third
+    assert loop.max_tick_gap_s >= 0.008
+
+
+def test_junk_is_bounded_per_round_too(context):
+    pair = Pair(context)
+    recorder = Recorder()
+    loop = ControlLoop("t", recorder.on_message, recorder.on_tick, batch=8, budget_s=10.0)
+    loop.add_socket(pair.inbox)
+    counts: list[int] = []
+    loop._on_tick = lambda now: counts.append(loop.bad_messages)
+    try:
+        queued(pair, 2000, b"\xc1junk")
+        run(loop, recorder, 2000)
+    finally:
+        pair.close()
+    assert loop.bad_messages == 2000 and not recorder.handled
+    assert max(b - a for a, b in zip(counts, counts[1:], strict=False)) == 8
+
+
+def test_sockets_take_turns(context):
+    flooded, quiet = Pair(context), Pair(context)
+    recorder = Recorder()
+    loop = ControlLoop("t", recorder.on_message, recorder.on_tick, batch=1000, budget_s=10.0)
+    loop.add_socket(flooded.inbox)
+    loop.add_socket(quiet.inbox)
+    try:
+        queued(flooded, 3000)
+        queued(quiet, 3)
+        run(loop, recorder, 3003)
+    finally:
+        flooded.close()
+        quiet.close()
+    first_quiet = [i for i, sock in enumerate(recorder.handled) if sock is quiet.inbox]
+    assert len(first_quiet) == 3
+    assert first_quiet[-1] < 10  # alternating with the flood, not after its 3,000 messages
+
+
+def test_drops_beyond_a_burst_are_summarised(context, caplog):
+    caplog.set_level(logging.WARNING, logger="dsa_bridge.transfer")
+    pair = Pair(context)
+    recorder = Recorder()
+    loop = ControlLoop("t", recorder.on_message, recorder.on_tick)
+    loop.add_socket(pair.inbox)
+    try:
+        queued(pair, 500, b"\xc1")
+        run(loop, recorder, 500)
+    finally:
+        pair.close()
+    lines = [r.getMessage() for r in caplog.records]
+    one_by_one = [line for line in lines if "dropped a message: bad message" in line]
+    summaries = [line for line in lines if "more messages in" in line]
+    assert len(one_by_one) == control.LOG_BURST
+    counted = sum(int(line.split("dropped ")[1].split()[0]) for line in summaries)
+    assert counted == 500 - control.LOG_BURST and loop.bad_messages == 500
+    assert all("last: bad message" in line for line in summaries)
+
+
+def test_a_handler_bug_is_counted_and_logged_with_its_traceback(context, caplog):
+    caplog.set_level(logging.WARNING, logger="dsa_bridge.transfer")
+    pair = Pair(context)
+    ticks = []
+
+    def broken(sock, identity, message):
+        raise KeyError("bug")
+
+    loop = ControlLoop("t", broken, ticks.append)
+    loop.add_socket(pair.inbox)
+    try:
+        pair.push.send(HEARTBEAT)
+        loop.start()
+        wait_for(lambda: loop.bad_messages == 1, 10, "the bug counted")
+        wait_for(lambda: len(ticks) > 10, 10, "ticks after the bug")
+    finally:
+        loop.stop()
+        pair.close()
+    bugs = [r for r in caplog.records if "handling a message failed" in r.getMessage()]
+    assert len(bugs) == 1 and bugs[0].exc_info is not None
+    assert loop.last_error == "KeyError: 'bug'"
+
+
+def cut_off_and_back(monitor: zmq.Socket, timeout_s: float = 10.0) -> None:
+    """Wait for the monitored socket's connection to be closed, then made again."""
+    events: list[int] = []
+    deadline = time.monotonic() + timeout_s
+
+    def back() -> bool:
+        return zmq.EVENT_DISCONNECTED in events and \
+            zmq.EVENT_CONNECTED in events[events.index(zmq.EVENT_DISCONNECTED):]
+
+    while not back():
+        assert time.monotonic() < deadline, f"no disconnect and reconnect: {events}"
+        if monitor.poll(100):
+            events.append(recv_monitor_message(monitor)["event"])
+
+
+def test_a_message_beyond_the_receive_limit_never_arrives_and_its_sender_reconnects(context):
+    pair = Pair(context, limit=1000)
+    recorder = Recorder()
+    loop = ControlLoop("t", recorder.on_message, recorder.on_tick)
+    loop.add_socket(pair.inbox)
+    monitor = pair.push.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+    loop.start()
+    try:
+        pair.push.send(HEARTBEAT)
+        wait_for(lambda: len(recorder.handled) == 1, 10, "a message within the limit")
+        pair.push.send(b"\x00" * 1001)
+        cut_off_and_back(monitor)
+        pair.push.send(HEARTBEAT)  # the PUSH socket reconnected by itself
+        wait_for(lambda: len(recorder.handled) == 2, 10, "a message after the reconnect")
+    finally:
+        loop.stop()
+        pair.push.disable_monitor()
+        monitor.close(0)
+        pair.close()
+    assert loop.bad_messages == 0  # never decoded, never counted: ZMQ dropped it
+    assert loop._limits[pair.inbox] == 1000
+
+
+def test_the_decoder_takes_the_sockets_limit(context):
+    pair = Pair(context)
+    loop = ControlLoop("t", Recorder().on_message, lambda now: None)
+    loop.add_socket(pair.inbox)
+    pair.close()
+    assert loop._limits[pair.inbox] == protocol.MAX_MESSAGE_BYTES  # no limit set: the protocol's
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        ControlLoop("t", Recorder().on_message, lambda now: None, batch=0)
+    with pytest.raises(ValueError, match="max_bytes must be positive"):
+        limit_receive(None, 0)

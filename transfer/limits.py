@@ -40,7 +40,7 @@ from dsa_bridge.transfer.protocol import (
 INT_BYTES = 9  # the most a msgpack integer (or float) takes
 HEADER_BYTES = 5  # the most a msgpack str, bin or array header takes
 LARGEST = 2**63 - 1  # an int that encodes to INT_BYTES
-KIND_BYTES = 1 + 8  # a cache kind: protocol bounds it to 8 characters (ASCII on the wire)
+KIND_BYTES = 1 + protocol.MAX_KIND_CHARS  # a cache kind: "kv" or "index", ASCII
 BUFFER_INFO_BYTES = 1 + 4 * INT_BYTES + KIND_BYTES  # [layer_id, kind, ptr, nbytes, item_len]
 BUFFER_KEY_BYTES = 1 + INT_BYTES + KIND_BYTES  # [layer_id, kind] of a chunk's checksums
 

@@ -38,11 +38,13 @@ MAX_REASON_CHARS = 4096  # why a request or a handshake failed; longer ones are 
 MAX_TOKEN_BYTES = 64  # nonces, signatures
 HASH_CHARS = 64  # sha256 hex
 MAX_ROOMS = 4096  # rooms named in one HelloAck (those of a dropped session whose failed write may land)
+MAX_KIND_CHARS = 8  # a cache kind: "kv", "index"
 
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
 Token = Annotated[bytes, msgspec.Meta(max_length=MAX_TOKEN_BYTES)]
 Hash = Annotated[str, msgspec.Meta(max_length=HASH_CHARS)]
+Kind = Annotated[str, msgspec.Meta(max_length=MAX_KIND_CHARS)]
 
 
 class ProtocolError(ValueError):
@@ -51,7 +53,7 @@ class ProtocolError(ValueError):
 
 class BufferInfo(msgspec.Struct, frozen=True, array_like=True):
     layer_id: int
-    kind: Annotated[str, msgspec.Meta(max_length=8)]
+    kind: Kind
     ptr: int
     nbytes: int
     item_len: int
@@ -103,8 +105,7 @@ class PageChecksums(msgspec.Struct, frozen=True, array_like=True):
 
     algorithm: Name
     offset: int
-    buffers: Annotated[list[tuple[int, Annotated[str, msgspec.Meta(max_length=8)]]],
-                       msgspec.Meta(max_length=MAX_BUFFERS)]
+    buffers: Annotated[list[tuple[int, Kind]], msgspec.Meta(max_length=MAX_BUFFERS)]
     values: bytes
 
 

@@ -56,6 +56,27 @@ def test_int64_arrays_are_accepted(connected) -> None:
     assert peer.ask("digest") == sha(oracle(local, peer, src, dst, length))
 
 
+def test_nixl_posts_a_long_write_in_slices_byte_exact(connected, monkeypatch) -> None:
+    """NIXL posts a write in slices of at most ``post_bytes`` (a longer descriptor cut in
+    pieces), the agent lock held for one slice at a time: many posts, the bytes exact."""
+    local, peer, handle = connected
+    if local.backend.name != "nixl":
+        pytest.skip("slicing is NIXL's (Mooncake's lock is never held across the engine's wait)")
+    monkeypatch.setattr(local.backend, "post_bytes", 64 * 1024)
+    posts = []
+    real = local.backend._post
+    monkeypatch.setattr(local.backend, "_post", lambda *a: (posts.append(a[2:]), real(*a)))
+    src, dst, length = dsa_runs(np.random.default_rng(3), 200, local, peer)
+    length[0] = U64(300_000)  # one descriptor longer than a slice: cut into pieces
+    dst[0] = peer.addr + U64(peer.nbytes - 300_000)
+    src[0] = local.base + U64(local.source.nbytes - 300_000)
+    keep = (dst[1:] + length[1:] <= dst[0]) & (src[1:] + length[1:] <= src[0])
+    src, dst, length = (np.concatenate((a[:1], a[1:][keep])) for a in (src, dst, length))
+    local.backend.write(handle, src, dst, length, timeout_s=30)
+    assert peer.ask("digest") == sha(oracle(local, peer, src, dst, length))
+    assert len(posts) >= int(length.sum()) // (64 * 1024)
+
+
 @pytest.mark.parametrize(
     "where",
     ["crosses the end", "before the start", "far away"],
@@ -158,23 +179,3 @@ def test_nixl_metadata_with_a_corrupt_agent_part_is_refused(local, peer) -> None
     with pytest.raises(BackendError, match="add_remote_agent.*nixl"):
         local.backend.connect(peer.metadata[:-40])
 
-
-def test_nixl_posts_a_long_write_in_slices_byte_exact(connected, monkeypatch) -> None:
-    """NIXL posts a write in slices of at most ``post_bytes`` (a longer descriptor cut in
-    pieces), the agent lock held for one slice at a time: many posts, the bytes exact."""
-    local, peer, handle = connected
-    if local.backend.name != "nixl":
-        pytest.skip("slicing is NIXL's (Mooncake's lock is never held across the engine's wait)")
-    monkeypatch.setattr(local.backend, "post_bytes", 64 * 1024)
-    posts = []
-    real = local.backend._post
-    monkeypatch.setattr(local.backend, "_post", lambda *a: (posts.append(a[2:]), real(*a)))
-    src, dst, length = dsa_runs(np.random.default_rng(3), 200, local, peer)
-    length[0] = U64(300_000)  # one descriptor longer than a slice: cut into pieces
-    dst[0] = peer.addr + U64(peer.nbytes - 300_000)
-    src[0] = local.base + U64(local.source.nbytes - 300_000)
-    keep = (dst[1:] + length[1:] <= dst[0]) & (src[1:] + length[1:] <= src[0])
-    src, dst, length = (np.concatenate((a[:1], a[1:][keep])) for a in (src, dst, length))
-    local.backend.write(handle, src, dst, length, timeout_s=30)
-    assert peer.ask("digest") == sha(oracle(local, peer, src, dst, length))
-    assert len(posts) >= int(length.sum()) // (64 * 1024)

@@ -8,7 +8,12 @@ hold each layer once, and follows the request to Success — every stage's part 
 once — or to Failed with a reason: a prefill failure, an abort, a missed deadline, or a prefill
 that stopped answering. With ``checksums`` on, a stage's part counts as arrived only once the
 verifier thread has checked each of its pages in each of its buffers against the checksums
-prefill sent. Pages of a failed request are held back until no write into them can still land.
+prefill sent. Pages of a failed request are held back until no write into them can still land
+(``rooms.RoomBook`` decides): a prefill that went silent while it might still write keeps them
+quarantined until it is proven unable to (it answers a new handshake of this node's session,
+which it sends only once none of its old writes can run, or its process is gone), or until
+``quarantine_timeout_s`` (counted as an expiry). A prefill marked dead is offered that new
+handshake, with backoff, from the control thread; requests to it meanwhile fail at once.
 """
 
 from __future__ import annotations

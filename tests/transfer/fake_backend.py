@@ -38,7 +38,7 @@ class FakeBackend:
         return self.id.encode()
 
     def connect(self, peer_metadata: bytes) -> str:
-        peer = peer_metadata.decode()
+        peer = peer_metadata.decode(errors="replace")
         if peer not in _engines:
             raise BackendError(self.name, "connect", "unknown peer", peer=peer)
         return peer

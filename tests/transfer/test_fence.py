@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from dsa_bridge.transfer import metrics
 from dsa_bridge.transfer.backends.base import BackendError
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.prefill import PrefillNode
@@ -60,9 +61,10 @@ def pair():
         return engine, prefill, decode
 
     yield build
-    for engine, node in reversed(made):
+    for engine, _ in made:  # held writes end before their target closes
         if engine is not None:
             engine.gate.set()
+    for _, node in reversed(made):
         node.close()
 
 
@@ -88,6 +90,12 @@ def counters(decode) -> dict:
     return decode.counters.snapshot()
 
 
+def scrape(node) -> dict[str, float]:
+    """The decode node's metrics, by name without the prefix (one sample each)."""
+    return {family.samples[0].name.removeprefix("dsa_bridge_"): family.samples[0].value
+            for family in metrics.NodeCollector(node, "decode").collect() if family.samples}
+
+
 def test_a_silent_prefills_pages_wait_for_its_new_handshake(pair):
     engine, prefill, decode = pair()
     receiver, sender = start_write(engine, prefill, decode, 1)
@@ -95,6 +103,8 @@ def test_a_silent_prefills_pages_wait_for_its_new_handshake(pair):
     assert receiver.poll() == KVPoll.Failed and "unreachable" in receiver.state.reason
     assert decode.held_pages() == decode.quarantined_pages() == PAGES.size
     assert counters(decode)["quarantines"] == 1 and counters(decode)["pages_quarantined"] == 4
+    assert scrape(decode) | {"pages_quarantined": 4, "pages_held": 4, "quarantines_total": 1,
+                             "quarantined_pages_total": 4} == scrape(decode)
     # decode re-handshakes at once; prefill drops the old session's rooms but answers only
     # once the held write is over: meanwhile nothing is released, new requests fail fast
     wait_for(lambda: sender.poll() == KVPoll.Failed, what="prefill dropping the old session")
@@ -112,6 +122,8 @@ def test_a_silent_prefills_pages_wait_for_its_new_handshake(pair):
     assert decode.held_pages() == decode.quarantined_pages() == 0
     c = counters(decode)
     assert c["peer_recoveries"] == 1 and c["quarantine_expiries"] == 0
+    assert scrape(decode) | {"pages_quarantined": 0, "peer_recoveries_total": 1,
+                             "quarantine_expiries_total": 0} == scrape(decode)
     decode.forget(receiver)
     # after recovery the same pages serve a new request, and nothing else lands in them
     fill_request(prefill.pool, 3, PAGES)
@@ -151,6 +163,7 @@ def test_the_quarantine_bound_releases_and_counts_an_expiry(pair):
     assert time.monotonic() - receiver.state.finished_at >= 1.0
     c = counters(decode)
     assert (c["quarantines"], c["quarantine_expiries"], c["pages_expired"]) == (1, 1, 4)
+    assert scrape(decode) | {"quarantine_expiries_total": 1, "expired_pages_total": 4} == scrape(decode)
     assert decode.quarantined_pages() == 0
 
 

@@ -19,9 +19,24 @@ U64 = np.uint64
 def table(*regions: MemoryRegion) -> RegionTable:
     result = RegionTable("test")
     result.check_new(list(regions))
-    for region in regions:
-        result.add(region)
+    result.add(list(regions))
     return result
+
+
+def test_many_regions_are_checked_in_one_sweep_and_an_overlap_anywhere_is_named() -> None:
+    """A peer's metadata may list tens of thousands of regions (NIXL): the check sorts once, and
+    still finds the one overlap, or duplicate, wherever the peer put it."""
+    regions = [MemoryRegion(0x10000 * (i + 1), 0x1000) for i in range(20_000)][::-1]
+    big = table(*regions)
+    assert len(big.regions) == 20_000
+    straddling = MemoryRegion(0x10000 * 7777 + 0xF00, 0x200)  # reaches into the next region
+    with pytest.raises(BackendError, match="overlaps given"):
+        RegionTable("test").check_new([*regions[:9000], straddling, *regions[9000:]])
+    with pytest.raises(BackendError, match=r"duplicates registered"):
+        big.check_new([MemoryRegion(0x10000 * 123, 0x1000)])
+    with pytest.raises(BackendError, match=r"overlaps registered"):
+        big.check_new([MemoryRegion(0x10000 * 123 + 0x800, 0x10)])
+    big.check_new([MemoryRegion(0x10000 * 123 + 0x1000, 0x10)])  # just past a region: fine
 
 
 def test_locate_finds_the_region_of_each_range_and_refuses_the_rest() -> None:

@@ -207,11 +207,10 @@ class RegionTable:
         self.device_ids = np.zeros(0, dtype=np.uint64)
 
     def check_new(self, regions: list[MemoryRegion]) -> None:
-        """Refuse zero-length, null, duplicate or overlapping regions, naming the first offender."""
+        """Refuse zero-length, null, duplicate or overlapping regions, naming the first offender
+        (sort and sweep: a peer's metadata may list thousands)."""
         if not regions:
             raise BackendError(self.backend, "register", "no regions given")
-        accepted = list(self.regions.values())
-        registered = len(accepted)
         for region in regions:
             device_index(self.backend, region)
             if region.ptr <= 0:
@@ -220,16 +219,22 @@ class RegionTable:
                 raise BackendError(self.backend, "register", f"{region}: zero length")
             if region.ptr + region.nbytes > 2**64:
                 raise BackendError(self.backend, "register", f"{region}: wraps around")
-            for i, other in enumerate(accepted):
-                if region.ptr < other.ptr + other.nbytes and other.ptr < region.ptr + region.nbytes:
-                    same = (region.ptr, region.nbytes) == (other.ptr, other.nbytes)
-                    where = "registered" if i < registered else "given"
-                    what = "duplicates" if same else "overlaps"
-                    raise BackendError(self.backend, "register", f"{region}: {what} {where} {other}")
-            accepted.append(region)
+        tagged = [(r.ptr, 0, r) for r in self.regions.values()] + [(r.ptr, 1, r) for r in regions]
+        widest: tuple[int, MemoryRegion] | None = None  # the region reaching furthest so far
+        for _, given, region in sorted(tagged, key=lambda item: item[:2]):
+            if widest is not None and region.ptr < widest[1].ptr + widest[1].nbytes:
+                other_given, other = widest
+                new, old = (region, other) if given else (other, region)
+                same = (region.ptr, region.nbytes) == (other.ptr, other.nbytes)
+                where = "given" if (given and other_given) else "registered"
+                what = "duplicates" if same else "overlaps"
+                raise BackendError(self.backend, "register", f"{new}: {what} {where} {old}")
+            if widest is None or region.ptr + region.nbytes > widest[1].ptr + widest[1].nbytes:
+                widest = (given, region)
 
-    def add(self, region: MemoryRegion) -> None:
-        self.regions[region.ptr] = region
+    def add(self, regions: list[MemoryRegion]) -> None:
+        for region in regions:
+            self.regions[region.ptr] = region
         self._rebuild()
 
     def remove(self, region: MemoryRegion) -> None:
@@ -284,7 +289,7 @@ class EngineBackend:
                 except BackendError:
                     self._roll_back(done)
                     raise
-                self._regions.add(region)
+                self._regions.add([region])
                 done.append(region)
 
     def _unregister(self, region: MemoryRegion) -> None:

@@ -199,8 +199,7 @@ class NixlBackend(EngineBackend):
                     table.check_new(regions)
             except BackendError as exc:
                 raise BackendError(self.name, "connect", f"peer announced {exc}") from exc
-            for region in regions:
-                table.add(region)
+            table.add(regions)
             loaded = self._call("add_remote_agent", expected, self._agent.add_remote_agent, agent_md)
             peer = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if peer != expected:

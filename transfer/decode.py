@@ -9,6 +9,9 @@ once — or to Failed with a reason: a prefill failure, an abort, a missed deadl
 that stopped answering. With ``checksums`` on, a stage's part counts as arrived only once the
 verifier thread has checked each of its pages in each of its buffers against the checksums
 prefill sent. Pages of a failed request are held back until no write into them can still land.
+Aux buffers (``aux_buffers``: one slot per request in each) are announced in the handshake; a
+request's slot (``init(..., aux_index=)``) is filled by the stage that holds the last layer, and
+counted in that stage's bytes.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from dsa_bridge.transfer.handshake import (
     pool_buffers,
     transfer_set,
 )
-from dsa_bridge.transfer.plan import PlanError, as_page_ids, check_pages
+from dsa_bridge.transfer.plan import PlanError, as_aux_buffers, as_page_ids, check_aux_index, check_pages
 from dsa_bridge.transfer.request import TERMINAL, KVPoll, RequestState
 from dsa_bridge.transfer.verify import ChunkVerifier
 
@@ -72,6 +75,7 @@ class KVReceiver:
         self.peers = peers
         self.state = RequestState(room, timeout_s)
         self.page_ids: np.ndarray | None = None
+        self.aux_index: int | None = None
         self.chunks = 0
         self.nbytes = 0
         self.descriptors = 0
@@ -90,9 +94,20 @@ class KVReceiver:
         """Every (layer, cache) buffer this request fills, in layer order."""
         return sorted(key for p in self.peers for key in p.keys)
 
-    def init(self, page_ids, num_tokens: int = 0) -> None:
-        """Send the pages decode allocated for this request to its prefill node(s)."""
+    def init(self, page_ids, num_tokens: int = 0, aux_index: int | None = None) -> None:
+        """Send the pages decode allocated for this request (and its aux slot) to its prefill
+        node(s)."""
+        try:
+            self.aux_index = check_aux_index(self.node.aux_buffers, aux_index, "aux_index")
+        except PlanError as exc:
+            raise ValueError(str(exc)) from None
         self.node._init_receiver(self, page_ids, num_tokens)
+
+    def _aux_peer(self) -> PrefillPeer | None:
+        """The prefill that writes the aux slot: the one holding the last layer."""
+        if self.aux_index is None:
+            return None
+        return max(self.peers, key=lambda p: max(p.layout.layer_ids))
 
     def poll(self) -> KVPoll:
         return self.state.status
@@ -116,7 +131,7 @@ class DecodeNode:
                  request_timeout_s: float = 60.0, peer_timeout_s: float = 5.0,
                  heartbeat_s: float = 0.5, in_flight_grace_s: float = 35.0,
                  secret: bytes = b"", index_reads: Iterable[int] | None = None,
-                 checksums: bool = False):
+                 checksums: bool = False, aux_buffers=()):
         self.pool = pool
         self.layout = pool.layout
         self.index_reads = check_index_reads(self.layout, index_reads)
@@ -136,8 +151,10 @@ class DecodeNode:
         self._loop = ControlLoop(self.name, self._on_message, self._on_tick)
         self._closed = False
         self.buffers = pool_buffers(pool)
+        self.aux_buffers = as_aux_buffers(aux_buffers)  # (ptr, nbytes, item_len): host memory
         self._page_limit = min(b.num_items for b in self.buffers)
-        backend.register([MemoryRegion(d.ptr, d.nbytes, d.device) for d in pool.buffer_descriptors()])
+        backend.register([MemoryRegion(d.ptr, d.nbytes, d.device) for d in pool.buffer_descriptors()]
+                         + [MemoryRegion(b.ptr, b.nbytes, "cpu") for b in self.aux_buffers])
         endpoints = [prefill] if isinstance(prefill, str) else list(prefill)
         try:
             self.peers = [self._handshake(e, handshake_timeout_s) for e in endpoints]
@@ -207,7 +224,8 @@ class DecodeNode:
         hello = protocol.Hello(
             protocol.PROTOCOL_VERSION, self.name, self.backend.name, self.layout.to_dict(),
             self.layout.layout_hash(), self.backend.metadata(), buffer_infos(self.buffers),
-            list(self.index_reads), nonce=os.urandom(16), sent_at=time.time())
+            list(self.index_reads), nonce=os.urandom(16), sent_at=time.time(),
+            aux_buffers=[protocol.AuxInfo(b.ptr, b.nbytes, b.item_len) for b in self.aux_buffers])
         if self.secret:
             hello = msgspec.structs.replace(
                 hello, auth=auth.sign(self.secret, protocol.signed_bytes(hello)))
@@ -280,9 +298,11 @@ class DecodeNode:
                 receiver.state.fail(f"prefill {dead[0]} unreachable")
                 return
             receiver.state.advance(KVPoll.WaitingForInput)
-        request = protocol.RequestPages(receiver.room, pages.tolist(), int(num_tokens))
+        aux_peer = receiver._aux_peer()
         for peer in receiver.peers:
-            self._loop.send(peer.socket, request)
+            aux = receiver.aux_index if peer is aux_peer else -1
+            self._loop.send(peer.socket, protocol.RequestPages(receiver.room, pages.tolist(),
+                                                               int(num_tokens), aux))
 
     def _abort(self, receiver: KVReceiver, reason: str) -> None:
         with self._lock:
@@ -363,6 +383,8 @@ class DecodeNode:
             return
         receiver.finished.add(peer.endpoint)
         expected = receiver.page_ids.size * peer.page_bytes
+        if peer is receiver._aux_peer():
+            expected += sum(b.item_len for b in self.aux_buffers)
         if receiver.received[peer.endpoint] != expected:
             self._fail_sent(receiver, f"prefill {peer.endpoint} wrote {receiver.received[peer.endpoint]} "
                                       f"bytes, expected {expected} ({len(peer.keys)} buffers x "

@@ -7,7 +7,8 @@ indexers decode holds and reads) with the ones that node announced. A ``KVSender
 the room, a worker thread plans each chunk (every paired buffer, coalesced and bounds-checked)
 and writes it through the engine, then reports the chunk to decode (with its page checksums when
 ``checksums`` is on). Rooms that decode announced but that have no sender yet are offered to the
-application on ``incoming``.
+application on ``incoming``. Aux buffers (``aux_buffers``: one slot per request in each) are
+paired with decode's by position; a request's aux slot travels with its last chunk.
 """
 
 from __future__ import annotations
@@ -35,11 +36,17 @@ from dsa_bridge.transfer.handshake import (
     transfer_set,
 )
 from dsa_bridge.transfer.plan import (
+    AUX_KIND,
+    Buffer,
     BufferPair,
     PlanError,
+    as_aux_buffers,
     as_page_ids,
+    check_aux_index,
     check_destination,
+    pair_aux,
     plan_writes,
+    with_aux_writes,
 )
 from dsa_bridge.transfer.request import TERMINAL, KVPoll, RequestState
 
@@ -56,6 +63,7 @@ class DecodePeer:
     pairs: list[BufferPair]
     last_seen: float
     rooms: set[int] = field(default_factory=set)
+    aux_pairs: list[BufferPair] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,7 @@ class _Room:
     dst_pages: np.ndarray
     num_tokens: int
     received_at: float
+    aux_index: int | None = None  # decode's aux slot
 
 
 class KVSender:
@@ -90,10 +99,15 @@ class KVSender:
         self.busy = 0  # chunks queued for or inside the worker
         self.reported = False
         self.write_failed = False  # an engine write failed: its bytes may still land
+        self.aux_index: int | None = None  # this request's aux slot, written with the last chunk
 
-    def init(self, num_pages: int) -> None:
+    def init(self, num_pages: int, aux_index: int | None = None) -> None:
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
+        try:
+            self.aux_index = check_aux_index(self.node.aux_buffers, aux_index, "aux_index")
+        except PlanError as exc:
+            raise ValueError(str(exc)) from None
         self.node._init_sender(self, num_pages)
 
     def send(self, page_ids) -> None:
@@ -122,7 +136,8 @@ class PrefillNode:
                  name: str = "prefill", request_timeout_s: float = 60.0,
                  peer_timeout_s: float = 5.0, heartbeat_s: float = 0.5,
                  write_timeout_s: float = 30.0, secret: bytes = b"",
-                 allow_insecure: bool = False, checksums: bool = False):
+                 allow_insecure: bool = False, checksums: bool = False,
+                 aux_buffers=()):
         host, port = parse_endpoint(listen, "listen")
         auth.check_listener(host, secret, allow_insecure)
         self.pool = pool
@@ -144,7 +159,9 @@ class PrefillNode:
         # timeout in their main thread, where SIGTERM arrives
         self.incoming: queue.Queue[IncomingRoom] = queue.Queue()
         self.buffers = pool_buffers(pool)
-        self.backend.register([MemoryRegion(d.ptr, d.nbytes, d.device) for d in pool.buffer_descriptors()])
+        self.aux_buffers = as_aux_buffers(aux_buffers)  # (ptr, nbytes, item_len): host memory
+        self.backend.register([MemoryRegion(d.ptr, d.nbytes, d.device) for d in pool.buffer_descriptors()]
+                              + [MemoryRegion(b.ptr, b.nbytes, "cpu") for b in self.aux_buffers])
 
         self._lock = threading.RLock()
         self._peers: dict[bytes, DecodePeer] = {}
@@ -281,6 +298,8 @@ class PrefillNode:
                     continue
                 dst = room.dst_pages[offset:offset + pages.size]
                 plan = plan_writes(room.peer.pairs, pages, dst)
+                if last:
+                    plan = with_aux_writes(plan, room.peer.aux_pairs, sender.aux_index, room.aux_index)
                 sums = self._checksums(pages, offset, room.peer.pairs) if self.checksums else None
                 started = time.perf_counter()
                 self.backend.write(room.peer.engine_peer, plan.src, plan.dst, plan.length,
@@ -374,6 +393,7 @@ class PrefillNode:
                 raise HandshakeError(str(exc)) from None
             keys = transfer_set(self.layout, layout, reads)
             pairs = pair_with_peer(layout, self.buffers, hello.buffers, keys)
+            aux_pairs = self._pair_aux(hello)
             engine_peer = self.backend.connect(hello.engine_metadata)
         except (HandshakeError, BackendError) as exc:
             self.counters.add(handshakes_refused=1)
@@ -386,12 +406,19 @@ class PrefillNode:
             if old is not None:  # a re-handshake replaces the old layout and its rooms
                 self._drop_peer(old, "decode re-handshaked")
             self._peers[identity] = DecodePeer(identity, hello.node, engine_peer, pairs,
-                                               time.monotonic())
+                                               time.monotonic(), aux_pairs=aux_pairs)
             if old is not None:
                 self._disconnect_engine(old)
         self.counters.add(handshakes_ok=1)
         log.info("%s: paired with %s (%d buffers)", self.name, hello.node, len(pairs))
         self._loop.send(self._socket, self._ack(True, "", hello), identity)
+
+    def _pair_aux(self, hello: protocol.Hello) -> list[BufferPair]:
+        remote = [Buffer(i, AUX_KIND, a.ptr, a.nbytes, a.item_len) for i, a in enumerate(hello.aux_buffers)]
+        try:
+            return pair_aux(self.aux_buffers, remote)
+        except PlanError as exc:
+            raise HandshakeError(str(exc)) from None
 
     def _ack(self, ok: bool, reason: str, hello: protocol.Hello) -> protocol.HelloAck:
         """The answer to ``hello``, signed together with its nonce when a secret is set."""
@@ -416,10 +443,11 @@ class PrefillNode:
             return
         try:
             dst = check_destination(peer.pairs, request.dst_pages)
+            aux = check_aux_index([p.dst for p in peer.aux_pairs], request.aux_index, "decode's aux_index")
         except PlanError as exc:
             self._refuse_request(peer, request.room, f"bad pages: {exc}")
             return
-        self._rooms[request.room] = _Room(peer, dst, request.num_tokens, time.monotonic())
+        self._rooms[request.room] = _Room(peer, dst, request.num_tokens, time.monotonic(), aux)
         peer.rooms.add(request.room)
         sender = self._senders.get(request.room)
         if sender is None:

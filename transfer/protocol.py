@@ -3,7 +3,8 @@
 Decode connects to prefill and opens with ``Hello`` (its layout, the layout hash, its engine
 metadata, the buffers it registered and the indexer layers its attention reads); prefill answers
 ``HelloAck`` with its own layout. Then per request decode sends ``RequestPages`` and prefill
-answers with one ``ChunkDone`` per chunk it wrote (with the chunk's page checksums when prefill
+answers with one ``ChunkDone`` per chunk it wrote (the last one includes the request's aux slots
+when decode announced aux buffers and asked for a slot) (with the chunk's page checksums when prefill
 runs with them). Either side may send ``Abort``; both send ``Heartbeat``. Data never travels
 here, only page ids, checksums and states.
 """
@@ -30,6 +31,14 @@ class BufferInfo(msgspec.Struct, frozen=True, array_like=True):
     item_len: int
 
 
+class AuxInfo(msgspec.Struct, frozen=True, array_like=True):
+    """One aux buffer (one slot per request, ``item_len`` bytes each), paired by position."""
+
+    ptr: int
+    nbytes: int
+    item_len: int
+
+
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
     version: int
     node: str
@@ -42,6 +51,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     nonce: bytes = b""
     sent_at: float = 0.0
     auth: bytes = b""
+    aux_buffers: list[AuxInfo] = msgspec.field(default_factory=list)
 
 
 class HelloAck(msgspec.Struct, frozen=True, tag="hello_ack"):
@@ -55,11 +65,13 @@ class HelloAck(msgspec.Struct, frozen=True, tag="hello_ack"):
 
 
 class RequestPages(msgspec.Struct, frozen=True, tag="request"):
-    """Decode has allocated ``dst_pages`` for ``room``; prefill writes the request there."""
+    """Decode has allocated ``dst_pages`` for ``room``; prefill writes the request there, and
+    its aux slots into decode's slot ``aux_index`` (-1: none)."""
 
     room: int
     dst_pages: list[int]
     num_tokens: int
+    aux_index: int = -1
 
 
 class PageChecksums(msgspec.Struct, frozen=True, array_like=True):

@@ -1,0 +1,265 @@
+"""dsa-bridge as sglang's PD transfer (``plugin/sglang_conn.py``, ``plugin/sglang_kvargs.py``),
+against the real sglang 0.5.23 on the CPU.
+
+- ``get_kv_class`` returns dsa-bridge's classes after sglang's own ``load_plugins()``, only for
+  Mooncake and NIXL, only when ``SGLANG_PLUGINS`` names the plugin; a pool that is not DSA gets
+  sglang's own manager (a real ``MooncakeKVManager``) from dsa-bridge's class;
+- the KVArgs sglang's own code fills for its DSA pools (no layer ids) become dsa-bridge buffers
+  with derived layer ids, uniform and compact, and what does not fit is refused by name;
+- prefill and decode in two processes (``pd_rank.py``), sglang's own pools, ``MetadataBuffers``
+  and ``_init_kv_manager``, driven in the order of sglang's queues: byte-exact on the KV and
+  indexer of every layer and on the aux slot, both engines, DeepSeek-V3.2 and GLM-5.2 (uniform
+  and compact); a compact prefill against a uniform decode, and another layer range, refused at
+  the handshake with decode's pool still at its sentinel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import require_engine
+
+from .conftest import SGLANG_MISSING
+
+if SGLANG_MISSING:
+    pytest.skip(SGLANG_MISSING, allow_module_level=True)
+
+from sglang.srt.disaggregation.base import KVArgs  # noqa: E402
+from sglang.srt.disaggregation.utils import setup_state_kv_args  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SGLangPool  # noqa: E402
+
+from dsa_bridge.plugin.sglang_kvargs import bridge_buffers, dsa_problem  # noqa: E402
+from dsa_bridge.plugin.sglang_pool import BridgeDSATokenToKVPool  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYOUT_KW = dict(page_size=64, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)
+DSV32 = dict(size=64 * 8, dtype=torch.float8_e4m3fn, layer_num=4, device="cpu", enable_memory_saver=False,
+             kv_cache_dim=656, **LAYOUT_KW)
+GLM_SKIP = [False, False, False, True, True, True, False, True]  # GLM-5.2's first 8 layers
+GLM = {**DSV32, "layer_num": 8, "kv_cache_dim": 576}
+
+
+def kv_args_of(pool, *, start_layer: int | None = None) -> KVArgs:
+    """KVArgs as sglang's prefill ``_init_kv_manager`` fills them for a DSA pool (no layer ids)."""
+    args = KVArgs()
+    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = pool.get_contiguous_buf_infos()
+    args.kv_layer_ids, args.num_draft_entries, args.page_size = [], 0, pool.page_size
+    args.prefill_start_layer = pool.start_layer if start_layer is None else start_layer
+    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [4096], [64 * 8], [64]
+    setup_state_kv_args(args, pool)
+    return args
+
+
+# ---- get_kv_class through sglang's own load_plugins (own processes) -----------------------------
+
+PROBE = """
+import json, logging
+import tests.sglang.conftest as shims
+logging.basicConfig(level=logging.INFO)
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+from sglang.srt.managers import disagg_service
+name = lambda c: None if c is None else c.__module__.rsplit(".", 1)[-1] + "." + c.__qualname__
+out = {b.value: {t.value: name(get_kv_class(b, t)) for t in KVClassType}
+       for b in (TransferBackend.MOONCAKE, TransferBackend.NIXL, TransferBackend.FAKE)}
+out["disagg_service_sees_hook"] = disagg_service.get_kv_class is get_kv_class
+if FALLBACK:
+    from sglang.srt.disaggregation.base import KVArgs
+    from sglang.srt.disaggregation.utils import DisaggregationMode, setup_state_kv_args
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    import torch
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        init_mooncake_transfer_engine)
+    init_mooncake_transfer_engine("127.0.0.1")  # as sglang's model runner does for PD
+    with shims.published_context(disaggregation_mode="decode",
+                                 disaggregation_transfer_backend="mooncake") as server_args:
+        pool = MLATokenToKVPool(size=128, page_size=64, dtype=torch.bfloat16, kv_lora_rank=512,
+                                qk_rope_head_dim=64, layer_num=2, device="cpu", enable_memory_saver=False)
+        args = KVArgs()
+        args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = pool.get_contiguous_buf_infos()
+        args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [], [], []
+        args.kv_layer_ids, args.page_size, args.engine_rank, args.pp_rank = [], 64, 0, 0
+        args.kv_cache_dtype_str, args.kv_layout, args.system_dp_rank = "auto", None, 0
+        args.ib_device, args.gpu_id = "", 0
+        setup_state_kv_args(args, pool)
+        cls = get_kv_class(TransferBackend.MOONCAKE, KVClassType.MANAGER)
+        manager = cls(args, DisaggregationMode.DECODE, server_args, True)
+        out["fallback"] = [name(cls), name(type(manager))]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def probe(plugins: str | None, fallback: bool = False) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
+    env.update(SGLANG_HOST_IP="127.0.0.1", MC_LOG_LEVEL="ERROR")
+    if plugins is not None:
+        env["SGLANG_PLUGINS"] = plugins
+    out = subprocess.run([sys.executable, "-c", f"FALLBACK = {fallback}\n" + PROBE], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
+    return {**json.loads(line[len("RESULT "):]), "log": out.stderr}
+
+
+def test_get_kv_class_gives_dsa_bridge_classes_for_mooncake_and_nixl_and_falls_back_per_model():
+    require_engine("mooncake")
+    got = probe("dsa_bridge", fallback=True)
+    for backend in ("mooncake", "nixl"):
+        assert got[backend] == {
+            "kvargs": "conn.KVArgs",
+            "manager": "sglang_conn.DSABridgeKVManager",
+            "sender": "sglang_conn.DSABridgeKVSender",
+            "receiver": "sglang_conn.DSABridgeKVReceiver",
+            "bootstrap_server": "sglang_conn.DSABridgeKVBootstrapServer",
+        }, backend
+    assert got["fake"]["sender"] == "conn.FakeKVSender"  # other backends: sglang's
+    assert got["disagg_service_sees_hook"]  # the modules that imported it by name see the hook too
+    # an MLA pool (no DSA state): dsa-bridge's class builds sglang's own Mooncake manager
+    assert got["fallback"] == ["sglang_conn.DSABridgeKVManager", "conn.MooncakeKVManager"]
+    assert "sglang's MooncakeKVManager moves this pool" in got["log"]
+
+
+def test_get_kv_class_is_sglangs_when_the_plugin_is_not_named():
+    got = probe("some_other_plugin")
+    assert got["mooncake"]["manager"] == "conn.MooncakeKVManager"
+    assert got["nixl"]["receiver"] == "conn.NixlKVReceiver"
+
+
+# ---- KVArgs -> dsa-bridge buffers (sglang's own pools and setup_state_kv_args) ---------------------
+
+@pytest.mark.usefixtures("sglang_context")
+@pytest.mark.parametrize("cls", [SGLangPool, BridgeDSATokenToKVPool])
+def test_kv_args_of_sglang_dsa_pools_get_derived_layer_ids_and_their_layout(cls):
+    pool = cls(**DSV32)
+    args = kv_args_of(pool)
+    assert args.kv_layer_ids == [] and args.state_layer_ids == [[]]  # what sglang gives for DSA
+    got = bridge_buffers(args, start_layer=args.prefill_start_layer)
+    assert got.kv_layer_ids == [0, 1, 2, 3]
+    assert got.layout == BridgeDSATokenToKVPool(**DSV32).layout
+    descs = got.buffers.buffer_descriptors()
+    assert [(d.layer_id, d.kind) for d in descs] == [(i, k) for i in range(4) for k in ("kv", "index")]
+    assert [(d.ptr, d.nbytes) for d in descs if d.kind == "index"] == \
+        [(t.data_ptr(), t.nbytes) for t in pool.index_k_with_scale_buffer]
+    assert got.aux == [(4096, 512, 64)]
+
+
+@pytest.mark.usefixtures("sglang_context")
+def test_glm_compact_pool_and_a_pipeline_stage_keep_their_global_layer_ids():
+    compact = kv_args_of(SGLangPool(**GLM, skip_topk_layers=GLM_SKIP))
+    got = bridge_buffers(compact, start_layer=0)
+    assert (got.layout.kv_dtype, got.layout.indexer_layout) == ("fp8_raw", "compact")
+    assert got.layout.index_layer_ids == (0, 1, 2, 6)
+    assert [d.layer_id for d in got.buffers.buffer_descriptors() if d.kind == "index"] == [0, 1, 2, 6]
+    stage = kv_args_of(SGLangPool(**DSV32, start_layer=30))
+    assert bridge_buffers(stage, start_layer=stage.prefill_start_layer).kv_layer_ids == [30, 31, 32, 33]
+
+
+@pytest.mark.usefixtures("sglang_context")
+def test_kv_args_dsa_bridge_cannot_describe_are_refused_by_name():
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    mla = MLATokenToKVPool(size=128, page_size=64, dtype=torch.bfloat16, kv_lora_rank=512,
+                           qk_rope_head_dim=64, layer_num=2, device="cpu", enable_memory_saver=False)
+    assert "state types none are not exactly sglang's DSA indexer state" in dsa_problem(kv_args_of(mla))
+    args = kv_args_of(SGLangPool(**DSV32))
+    args.num_draft_entries = 1
+    with pytest.raises(ValueError, match="draft .MTP. KV entries with pipeline stages"):
+        bridge_buffers(args, start_layer=0, stages=2)
+    args.num_draft_entries = 0
+    args.kv_layer_ids = [0, 1, 2, 5]
+    with pytest.raises(ValueError, match=r"kv_layer_ids \[0, 1, 2, 5\] differ"):
+        bridge_buffers(args, start_layer=0)
+    args.kv_layer_ids = []
+    args.kv_item_lens = [64 * 600] * 4
+    with pytest.raises(ValueError, match="a KV row of 600 bytes"):
+        bridge_buffers(args, start_layer=0)
+
+
+# ---- prefill and decode in two processes -----------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pd(prefill_cfg: dict, decode_cfg: dict) -> tuple[dict, dict]:
+    """Both ranks at once (each its own process, as sglang's schedulers); both always stopped."""
+    env = {**os.environ, "SGLANG_PLUGINS": "dsa_bridge", "SGLANG_HOST_IP": "127.0.0.1",
+           "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
+           "MC_LOG_LEVEL": "ERROR"}
+    procs = {role: subprocess.Popen([sys.executable, "-m", "tests.sglang.pd_rank", role, json.dumps(cfg)],
+                                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True)
+             for role, cfg in (("prefill", prefill_cfg), ("decode", decode_cfg))}
+    results = {}
+    try:
+        for role, proc in procs.items():
+            out, err = proc.communicate(timeout=240)
+            assert proc.returncode == 0, f"{role}:\n{err[-4000:]}"
+            line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
+            results[role] = json.loads(line[len("RESULT "):])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return results["prefill"], results["decode"]
+
+
+def config(engine: str, model: dict, **extra) -> dict:
+    return {"engine": engine, "port": free_port(), "room": 2**62 + 12345, "pages": 8, "seed": 7,
+            "src_pages": [3, 1, 4, 5, 6], "dst_pages": [2, 7, 5, 6, 8], "src_aux": 3, "dst_aux": 5,
+            "bootstrap_wait_s": 60, **model, **extra}
+
+
+MODELS = {
+    "deepseek-v3.2": {"layers": 4, "model_layers": 4, "kv_cache_dim": 656},
+    "glm-5.2-uniform": {"layers": 8, "model_layers": 8, "kv_cache_dim": 576},
+    "glm-5.2-compact": {"layers": 8, "model_layers": 8, "kv_cache_dim": 576, "skip": GLM_SKIP},
+}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_prefill_to_decode_in_two_processes_byte_exact(engine, model):
+    require_engine(engine)
+    cfg = config(engine, MODELS[model])
+    prefill, decode = run_pd(cfg, cfg)
+    assert prefill["manager"] == decode["manager"] == "DSABridgeKVManager"
+    assert (prefill["server"], prefill["sender"], decode["receiver"]) == \
+        ("DSABridgeKVBootstrapServer", "DSABridgeKVSender", "DSABridgeKVReceiver")
+    assert prefill["kv_layer_ids"] == [] and prefill["state_layer_ids"] == [[]]  # sglang named none
+    assert decode["poll"] == prefill["poll"] == 4  # Success on both sides
+    layers = MODELS[model]["layers"]
+    index_layers = [i for i in range(layers) if not (MODELS[model].get("skip") or [False] * layers)[i]]
+    held = [f"kv:{i}" for i in range(layers)] + [f"index:{i}" for i in index_layers]
+    assert decode["buffers"] == sorted(held)
+    assert decode["mismatched"] == [] and decode["others_sentinel"]
+    assert decode["aux_exact"] and decode["aux_others_sentinel"]
+    pages = len(cfg["src_pages"])
+    expected = pages * 64 * (layers * cfg["kv_cache_dim"] + len(index_layers) * 132) + decode["aux_bytes"]
+    assert decode["nbytes"] == prefill["bytes"] == expected
+
+
+@pytest.mark.parametrize(("prefill_extra", "decode_extra", "reason"), [
+    ({"skip": GLM_SKIP}, {}, "layer 3: decode holds and reads its indexer"),
+    ({"start_layer": 2}, {}, "layer sets: prefill holds layer 8, which decode does not"),
+], ids=["compact-prefill-uniform-decode", "other-layer-range"])
+def test_mismatched_pd_pair_is_refused_before_any_write(prefill_extra, decode_extra, reason):
+    require_engine("nixl")
+    cfg = config("nixl", MODELS["glm-5.2-uniform"], bootstrap_wait_s=25)
+    prefill, decode = run_pd({**cfg, **prefill_extra}, {**cfg, **decode_extra})
+    assert decode["poll"] == 0 and reason in decode["reason"]
+    assert decode["untouched"]  # decode's pool still at its sentinel: nothing was written
+    assert prefill["poll"] == 1  # prefill never got the request: still Bootstrapping
+    assert len(prefill["refused"]) == 1 and reason in prefill["refused"][0]

@@ -1,5 +1,7 @@
 """One sglang PD rank for ``test_sglang_conn.py``, in its own process: ``python -m
-tests.sglang.pd_rank ROLE CONFIG_JSON`` prints one ``RESULT {json}`` line.
+tests.sglang.pd_rank ROLE CONFIGS_JSON`` runs each scenario of the list in turn (each with its
+own bootstrap port, pools and manager, closed before the next) and prints one ``RESULT [json,
+...]`` line.
 
 As a scheduler process would: the shims, sglang's own ``load_plugins()`` (``SGLANG_PLUGINS``
 from the environment), a published ``ServerArgs``, sglang's own pool and ``MetadataBuffers`` on
@@ -122,9 +124,12 @@ def run_prefill(cfg: dict, server_args) -> dict:
     sender = get_kv_class(backend, KVClassType.SENDER)(
         mgr=manager, bootstrap_addr=f"127.0.0.1:{cfg['port']}", bootstrap_room=cfg["room"])
     result["sender"] = type(sender).__qualname__
-    try:
-        wait(lambda: sender.poll() != KVPoll.Bootstrapping, cfg["bootstrap_wait_s"], "bootstrap")
+    try:  # the bootstrap queue; a refused handshake ends the wait (the request would time out)
+        wait(lambda: sender.poll() != KVPoll.Bootstrapping or manager.node.refusals,
+             cfg["bootstrap_wait_s"], "bootstrap")
     except TimeoutError:
+        pass
+    if sender.poll() == KVPoll.Bootstrapping:
         result.update(poll=int(sender.poll()), refused=manager.node.refusals)
         manager.shutdown()
         server.close()
@@ -197,14 +202,16 @@ def run_decode(cfg: dict, server_args) -> dict:
 
 
 def main() -> None:
-    role, cfg = sys.argv[1], json.loads(sys.argv[2])
+    role, configs = sys.argv[1], json.loads(sys.argv[2])
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
-    with shims.published_context(disaggregation_mode=role, disaggregation_transfer_backend=cfg["engine"],
-                                 disaggregation_bootstrap_port=cfg["port"], host="127.0.0.1") as args:
-        result = (run_prefill if role == "prefill" else run_decode)(cfg, args)
-    print("RESULT " + json.dumps(result), flush=True)
+    results = []
+    for cfg in configs:
+        with shims.published_context(disaggregation_mode=role, disaggregation_transfer_backend=cfg["engine"],
+                                     disaggregation_bootstrap_port=cfg["port"], host="127.0.0.1") as args:
+            results.append((run_prefill if role == "prefill" else run_decode)(cfg, args))
+    print("RESULT " + json.dumps(results), flush=True)
 
 
 if __name__ == "__main__":

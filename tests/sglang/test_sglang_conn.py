@@ -192,19 +192,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pd(prefill_cfg: dict, decode_cfg: dict) -> tuple[dict, dict]:
-    """Both ranks at once (each its own process, as sglang's schedulers); both always stopped."""
+def run_pd(prefill_cfgs: list[dict], decode_cfgs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Both ranks at once, each its own process (as sglang's schedulers), stepping through the
+    scenarios together; both always stopped."""
     env = {**os.environ, "SGLANG_PLUGINS": "dsa_bridge", "SGLANG_HOST_IP": "127.0.0.1",
            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
            "MC_LOG_LEVEL": "ERROR"}
-    procs = {role: subprocess.Popen([sys.executable, "-m", "tests.sglang.pd_rank", role, json.dumps(cfg)],
+    procs = {role: subprocess.Popen([sys.executable, "-m", "tests.sglang.pd_rank", role, json.dumps(cfgs)],
                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True)
-             for role, cfg in (("prefill", prefill_cfg), ("decode", decode_cfg))}
+             for role, cfgs in (("prefill", prefill_cfgs), ("decode", decode_cfgs))}
     results = {}
     try:
         for role, proc in procs.items():
-            out, err = proc.communicate(timeout=240)
+            out, err = proc.communicate(timeout=420)
             assert proc.returncode == 0, f"{role}:\n{err[-4000:]}"
             line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
             results[role] = json.loads(line[len("RESULT "):])
@@ -229,12 +230,28 @@ MODELS = {
 }
 
 
+@pytest.fixture(scope="module")
+def transfers():
+    """engine -> {model: (config, prefill result, decode result)}: one process pair per engine
+    runs the three models in turn (sglang's import costs most of a rank's start)."""
+    done = {}
+
+    def run(engine: str) -> dict:
+        if engine not in done:
+            require_engine(engine)
+            cfgs = [config(engine, MODELS[m]) for m in sorted(MODELS)]
+            prefill, decode = run_pd(cfgs, cfgs)
+            done[engine] = {m: (c, p, d) for m, c, p, d in zip(sorted(MODELS), cfgs, prefill, decode,
+                                                                strict=True)}
+        return done[engine]
+
+    return run
+
+
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("engine", ["mooncake", "nixl"])
-def test_prefill_to_decode_in_two_processes_byte_exact(engine, model):
-    require_engine(engine)
-    cfg = config(engine, MODELS[model])
-    prefill, decode = run_pd(cfg, cfg)
+def test_prefill_to_decode_in_two_processes_byte_exact(transfers, engine, model):
+    cfg, prefill, decode = transfers(engine)[model]
     assert prefill["manager"] == decode["manager"] == "DSABridgeKVManager"
     assert (prefill["server"], prefill["sender"], decode["receiver"]) == \
         ("DSABridgeKVBootstrapServer", "DSABridgeKVSender", "DSABridgeKVReceiver")
@@ -251,14 +268,26 @@ def test_prefill_to_decode_in_two_processes_byte_exact(engine, model):
     assert decode["nbytes"] == prefill["bytes"] == expected
 
 
-@pytest.mark.parametrize(("prefill_extra", "decode_extra", "reason"), [
-    ({"skip": GLM_SKIP}, {}, "layer 3: decode holds and reads its indexer"),
-    ({"start_layer": 2}, {}, "layer sets: prefill holds layer 8, which decode does not"),
-], ids=["compact-prefill-uniform-decode", "other-layer-range"])
-def test_mismatched_pd_pair_is_refused_before_any_write(prefill_extra, decode_extra, reason):
+REFUSALS = {
+    "compact-prefill-uniform-decode": ({"skip": GLM_SKIP}, "layer 3: decode holds and reads its indexer"),
+    "other-layer-range": ({"start_layer": 2}, "layer sets: prefill holds layer 8, which decode does not"),
+}
+
+
+@pytest.fixture(scope="module")
+def refusals():
     require_engine("nixl")
-    cfg = config("nixl", MODELS["glm-5.2-uniform"], bootstrap_wait_s=25)
-    prefill, decode = run_pd({**cfg, **prefill_extra}, {**cfg, **decode_extra})
+    names = sorted(REFUSALS)
+    decode_cfgs = [config("nixl", MODELS["glm-5.2-uniform"], bootstrap_wait_s=60) for _ in names]
+    prefill_cfgs = [{**cfg, **REFUSALS[name][0]} for cfg, name in zip(decode_cfgs, names, strict=True)]
+    prefill, decode = run_pd(prefill_cfgs, decode_cfgs)
+    return dict(zip(names, zip(prefill, decode, strict=True), strict=True))
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_mismatched_pd_pair_is_refused_before_any_write(refusals, name):
+    prefill, decode = refusals[name]
+    reason = REFUSALS[name][1]
     assert decode["poll"] == 0 and reason in decode["reason"]
     assert decode["untouched"]  # decode's pool still at its sentinel: nothing was written
     assert prefill["poll"] == 1  # prefill never got the request: still Bootstrapping

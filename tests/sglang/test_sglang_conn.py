@@ -20,22 +20,29 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 
 from tests.conftest import require_engine
 
-from .conftest import SGLANG_MISSING
+from .conftest import SGLANG_MISSING, published_context
 
 if SGLANG_MISSING:
     pytest.skip(SGLANG_MISSING, allow_module_level=True)
 
 from sglang.srt.disaggregation.base import KVArgs  # noqa: E402
-from sglang.srt.disaggregation.utils import setup_state_kv_args  # noqa: E402
+from sglang.srt.disaggregation.utils import DisaggregationMode, setup_state_kv_args  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SGLangPool  # noqa: E402
 
+from dsa_bridge.plugin.sglang_conn import (  # noqa: E402
+    DSABridgeKVBootstrapServer,
+    DSABridgeKVManager,
+    DSABridgeKVReceiver,
+)
 from dsa_bridge.plugin.sglang_kvargs import bridge_buffers, dsa_problem  # noqa: E402
 from dsa_bridge.plugin.sglang_pool import BridgeDSATokenToKVPool  # noqa: E402
 
@@ -292,3 +299,57 @@ def test_mismatched_pd_pair_is_refused_before_any_write(refusals, name):
     assert decode["untouched"]  # decode's pool still at its sentinel: nothing was written
     assert prefill["poll"] == 1  # prefill never got the request: still Bootstrapping
     assert len(prefill["refused"]) == 1 and reason in prefill["refused"][0]
+
+
+# ---- decode: what dsa-bridge cannot pair with, refused from the bootstrap's parallel info ----------
+
+def registration(**changes) -> dict:
+    """A prefill rank's ``PUT /route`` payload, as dsa-bridge's manager sends it."""
+    return {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1,
+            "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
+            "rank_ip": "127.0.0.1", "rank_port": 1, "page_size": 64, "kv_cache_dtype": "fp8_e4m3",
+            "kv_layout": "dsa-bridge", "load_balance_method": "follow_bootstrap_room", **changes}
+
+
+def put_route(port: int, payload: dict) -> None:
+    """Register one prefill rank, as a manager does; bounded wait for the server's thread."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            response = requests.put(f"http://127.0.0.1:{port}/route", json=payload, timeout=5)
+            assert response.status_code == 200, response.text
+            return
+        except requests.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"kv_layout": None}, "transfer .kv_layout.: prefill None != decode dsa-bridge"),
+    ({"attn_tp_size": 2}, r"attention TP width \(dsa-bridge pairs rank r with rank r\): prefill 2 != "),
+    ({"page_size": 32}, "page_size: prefill 32 != decode 64"),
+    ({"attn_dp_size": 2, "load_balance_method": "round_robin"},
+     "prefill has 2 DP groups and no follow_bootstrap_room"),
+])
+def test_decode_refuses_a_prefill_it_cannot_pair_with_naming_why(changes, message):
+    port = free_port()
+    server = DSABridgeKVBootstrapServer("127.0.0.1", port)
+    try:
+        for tp in range(changes.get("attn_tp_size", 1)):
+            for dp in range(changes.get("attn_dp_size", 1)):
+                put_route(port, registration(**changes, attn_tp_rank=tp, attn_dp_rank=dp))
+        with published_context(disaggregation_mode="decode", disaggregation_transfer_backend="nixl") as sa:
+            args = kv_args_of(SGLangPool(**DSV32))
+            args.kv_cache_dtype_str = "fp8_e4m3"
+            manager = DSABridgeKVManager(args, DisaggregationMode.DECODE, sa, True)
+            with pytest.raises(RuntimeError, match=message):
+                manager.try_ensure_parallel_info(f"127.0.0.1:{port}")
+            receiver = DSABridgeKVReceiver(manager, f"127.0.0.1:{port}", 77)
+            receiver.init(0)
+            assert receiver.poll() == 0  # Failed, with the reason sglang's queue logs
+            with pytest.raises(RuntimeError, match=message):
+                receiver.failure_exception()
+            assert manager.decode_nodes == {}  # no node, no engine, nothing registered with a peer
+    finally:
+        server.close()

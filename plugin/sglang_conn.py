@@ -67,6 +67,7 @@ KV_LAYOUT_MARK = "dsa-bridge"  # the kv_layout a dsa-bridge prefill registers: d
 BACKENDS = {"mooncake": ("sglang.srt.disaggregation.mooncake", "Mooncake"),
             "nixl": ("sglang.srt.disaggregation.nixl", "Nixl")}
 HTTP_TIMEOUT_S = 5.0
+REGISTER_WAIT_S = 30.0  # for the bootstrap server to listen when a prefill rank registers
 
 
 def sglang_class(backend: str, role: str) -> type:
@@ -153,7 +154,15 @@ class DSABridgeKVManager(BaseKVManager):
             "prefill_http_port": get_serving().port,
         }
         url = f"http://{_host()}:{get_disagg().disaggregation_bootstrap_port}/route"
-        response = requests.put(url, json=payload, timeout=HTTP_TIMEOUT_S)
+        deadline = time.monotonic() + REGISTER_WAIT_S
+        while True:  # the bootstrap server (another process) may not be listening yet
+            try:
+                response = requests.put(url, json=payload, timeout=HTTP_TIMEOUT_S)
+                break
+            except requests.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         if response.status_code != 200:
             raise RuntimeError(f"dsa-bridge: the bootstrap server at {url} refused this prefill rank: "
                                f"{response.status_code} {response.text}")

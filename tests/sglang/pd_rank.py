@@ -75,6 +75,14 @@ def fill(tensors, seed: int) -> None:
         t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
 
 
+def fill_pool(pool, seed: int) -> None:
+    """Each buffer's bytes a function of (seed, layer id, kind) only, so a pipeline stage's pool
+    and a whole-model pool hold the same bytes for the same layer."""
+    for key, view in views(pool).items():
+        kind, layer = key.split(":")
+        fill([view], seed * 1000 + int(layer) * 2 + (kind == "index"))
+
+
 def metadata_buffers():
     import torch
     from sglang.srt.disaggregation.utils import MetadataBuffers
@@ -113,11 +121,14 @@ def run_prefill(cfg: dict, server_args) -> dict:
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     backend = TransferBackend(cfg["engine"])
-    server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=cfg["port"])
+    server = (get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=cfg["port"])
+              if cfg.get("pp_rank", 0) == 0 else None)  # one server per prefill (sglang's main process)
     pool, metadata = make_pool(cfg, bridge=cfg.get("bridge_pool", False)), metadata_buffers()
-    manager = PrefillBootstrapQueue._init_kv_manager(scheduler_stand_in(cfg, server_args, pool, metadata,
-                                                                        "prefill"))
+    stand_in = scheduler_stand_in(cfg, server_args, pool, metadata, "prefill")
+    stand_in.pp_rank = cfg.get("pp_rank", 0)
+    manager = PrefillBootstrapQueue._init_kv_manager(stand_in)
     result = {"manager": type(manager).__qualname__, "server": type(server).__qualname__,
+              "layers": manager.bridge.kv_layer_ids,
               "state_layer_ids": manager.kv_args.state_layer_ids,
               "kv_layer_ids": manager.kv_args.kv_layer_ids}
     print("READY", flush=True)
@@ -132,12 +143,12 @@ def run_prefill(cfg: dict, server_args) -> dict:
     if sender.poll() == KVPoll.Bootstrapping:
         result.update(poll=int(sender.poll()), refused=manager.node.refusals)
         manager.shutdown()
-        server.close()
+        close(server)
         return result
     assert sender.poll() == KVPoll.WaitingForInput, sender.poll()
     src = cfg["src_pages"]
     sender.init(len(src), cfg["src_aux"])
-    fill(views(pool).values(), seed=cfg["seed"])  # the forward pass writes the cache...
+    fill_pool(pool, cfg["seed"])  # the forward pass writes the cache...
     fill(aux_views(metadata), seed=cfg["seed"] + 1)  # ...and the first token's metadata
     half = len(src) // 2
     sender.send(src[:half], None)
@@ -145,8 +156,13 @@ def run_prefill(cfg: dict, server_args) -> dict:
     wait(lambda: sender.poll() in (KVPoll.Success, KVPoll.Failed), 60, "prefill end")
     result.update(poll=int(sender.poll()), bytes=manager.node.counters.snapshot()["bytes"])
     manager.shutdown()
-    server.close()
+    close(server)
     return result
+
+
+def close(server) -> None:
+    if server is not None:
+        server.close()
 
 
 def run_decode(cfg: dict, server_args) -> dict:
@@ -182,7 +198,7 @@ def run_decode(cfg: dict, server_args) -> dict:
     wait(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), 60, "decode end")
     result["poll"] = int(receiver.poll())
     expected_pool, expected_meta = make_pool(cfg, bridge=False), metadata_buffers()
-    fill(views(expected_pool).values(), seed=cfg["seed"])
+    fill_pool(expected_pool, cfg["seed"])
     fill(aux_views(expected_meta), seed=cfg["seed"] + 1)
     got, want = views(pool), views(expected_pool)
     others = [p for p in range(1, cfg["pages"] + 1) if p not in dst]
@@ -196,6 +212,7 @@ def run_decode(cfg: dict, server_args) -> dict:
         bool((g[[i for i in range(g.shape[0]) if i != cfg["dst_aux"]]] == SENTINEL).all()) for g in aux_got)
     result["aux_bytes"] = sum(g.shape[1] for g in aux_got)
     result["nbytes"] = receiver._receiver.nbytes
+    result["stages"] = len(receiver._receiver.peers)
     receiver.clear()
     manager.shutdown()
     return result
@@ -209,7 +226,8 @@ def main() -> None:
     results = []
     for cfg in configs:
         with shims.published_context(disaggregation_mode=role, disaggregation_transfer_backend=cfg["engine"],
-                                     disaggregation_bootstrap_port=cfg["port"], host="127.0.0.1") as args:
+                                     disaggregation_bootstrap_port=cfg["port"], host="127.0.0.1",
+                                     pp_size=cfg.get("pp_size", 1)) as args:
             results.append((run_prefill if role == "prefill" else run_decode)(cfg, args))
     print("RESULT " + json.dumps(results), flush=True)
 

@@ -199,29 +199,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pd(prefill_cfgs: list[dict], decode_cfgs: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Both ranks at once, each its own process (as sglang's schedulers), stepping through the
-    scenarios together; both always stopped."""
+def run_ranks(ranks: list[tuple[str, list[dict]]]) -> list[list[dict]]:
+    """Every rank at once, each its own process (as sglang's schedulers), stepping through its
+    scenarios; every process always stopped."""
     env = {**os.environ, "SGLANG_PLUGINS": "dsa_bridge", "SGLANG_HOST_IP": "127.0.0.1",
            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
            "MC_LOG_LEVEL": "ERROR"}
-    procs = {role: subprocess.Popen([sys.executable, "-m", "tests.sglang.pd_rank", role, json.dumps(cfgs)],
-                                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True)
-             for role, cfgs in (("prefill", prefill_cfgs), ("decode", decode_cfgs))}
-    results = {}
+    procs = [(role, subprocess.Popen([sys.executable, "-m", "tests.sglang.pd_rank", role, json.dumps(cfgs)],
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True))
+             for role, cfgs in ranks]
+    results = []
     try:
-        for role, proc in procs.items():
+        for role, proc in procs:
             out, err = proc.communicate(timeout=420)
             assert proc.returncode == 0, f"{role}:\n{err[-4000:]}"
             line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
-            results[role] = json.loads(line[len("RESULT "):])
+            results.append(json.loads(line[len("RESULT "):]))
     finally:
-        for proc in procs.values():
+        for _, proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-    return results["prefill"], results["decode"]
+    return results
+
+
+def run_pd(prefill_cfgs: list[dict], decode_cfgs: list[dict]) -> tuple[list[dict], list[dict]]:
+    prefill, decode = run_ranks([("prefill", prefill_cfgs), ("decode", decode_cfgs)])
+    return prefill, decode
 
 
 def config(engine: str, model: dict, **extra) -> dict:
@@ -299,6 +304,26 @@ def test_mismatched_pd_pair_is_refused_before_any_write(refusals, name):
     assert decode["untouched"]  # decode's pool still at its sentinel: nothing was written
     assert prefill["poll"] == 1  # prefill never got the request: still Bootstrapping
     assert len(prefill["refused"]) == 1 and reason in prefill["refused"][0]
+
+
+def test_pipelined_prefill_into_one_decode_stage_byte_exact():
+    """sglang's PP prefill (two stages, each its own process and rank, layers 0-1 and 2-3) into a
+    one-stage decode: each stage writes its layers, the last one the aux slot."""
+    require_engine("nixl")
+    cfg = config("nixl", MODELS["deepseek-v3.2"])
+    stages = [{**cfg, "layers": 2, "start_layer": 2 * r, "pp_size": 2, "pp_rank": r} for r in range(2)]
+    (first,), (second,), (decode,) = run_ranks([("prefill", [stages[0]]), ("prefill", [stages[1]]),
+                                               ("decode", [cfg])])
+    assert (first["layers"], second["layers"]) == ([0, 1], [2, 3])  # derived from prefill_start_layer
+    assert decode["poll"] == first["poll"] == second["poll"] == 4
+    assert decode["stages"] == 2
+    assert decode["mismatched"] == [] and decode["others_sentinel"]
+    assert decode["aux_exact"] and decode["aux_others_sentinel"]
+    page_bytes = 64 * (656 + 132)
+    pages = len(cfg["src_pages"])
+    assert first["bytes"] == pages * page_bytes * 2  # no aux: the stage without the last layer
+    assert second["bytes"] == pages * page_bytes * 2 + decode["aux_bytes"]
+    assert decode["nbytes"] == first["bytes"] + second["bytes"]
 
 
 # ---- decode: what dsa-bridge cannot pair with, refused from the bootstrap's parallel info ----------

@@ -180,7 +180,7 @@ def run_decode(cfg: dict, server_args) -> dict:
     receiver = get_kv_class(backend, KVClassType.RECEIVER)(mgr=manager, bootstrap_addr=addr,
                                                            bootstrap_room=cfg["room"])
     result = {"manager": type(manager).__qualname__, "receiver": type(receiver).__qualname__}
-    wait(lambda: manager.try_ensure_parallel_info(addr), 60, "prefill parallel info")
+    wait(lambda: manager.try_ensure_parallel_info(addr), 180, "prefill parallel info")  # a loaded host
     info = manager.prefill_info_table[addr]
     receiver.init(0 if info.dp_size == 1 else cfg["room"] % info.dp_size)
     wait(lambda: receiver.poll() != KVPoll.Bootstrapping, 30, "decode bootstrap")

@@ -232,7 +232,7 @@ def run_pd(prefill_cfgs: list[dict], decode_cfgs: list[dict]) -> tuple[list[dict
 def config(engine: str, model: dict, **extra) -> dict:
     return {"engine": engine, "port": free_port(), "room": 2**62 + 12345, "pages": 8, "seed": 7,
             "src_pages": [3, 1, 4, 5, 6], "dst_pages": [2, 7, 5, 6, 8], "src_aux": 3, "dst_aux": 5,
-            "bootstrap_wait_s": 60, **model, **extra}
+            "bootstrap_wait_s": 180, **model, **extra}
 
 
 MODELS = {
@@ -290,7 +290,7 @@ REFUSALS = {
 def refusals():
     require_engine("nixl")
     names = sorted(REFUSALS)
-    decode_cfgs = [config("nixl", MODELS["glm-5.2-uniform"], bootstrap_wait_s=60) for _ in names]
+    decode_cfgs = [config("nixl", MODELS["glm-5.2-uniform"]) for _ in names]
     prefill_cfgs = [{**cfg, **REFUSALS[name][0]} for cfg, name in zip(decode_cfgs, names, strict=True)]
     prefill, decode = run_pd(prefill_cfgs, decode_cfgs)
     return dict(zip(names, zip(prefill, decode, strict=True), strict=True))

@@ -1,13 +1,24 @@
 """The sglang plugin (entry point ``dsa_bridge`` in the group ``sglang.srt.plugins``).
 
-sglang's ``load_plugins()`` calls ``register`` at the start of every scheduler process. It is
-opt-in twice over: installed, it does nothing unless ``SGLANG_PLUGINS`` names ``dsa_bridge``
-(sglang loads every installed plugin when that variable is empty). Named, it registers one
-``HookRegistry`` AROUND hook on sglang's pool-class resolution
-(``KVCacheConfigurator._resolve_kv_pool_class``): where sglang would build its in-tree
-``DSATokenToKVPool``, it builds ``BridgeDSATokenToKVPool``, a subclass. The name
-``DSATokenToKVPool`` keeps meaning sglang's class, so every isinstance check in sglang — its
-other DSA pool subclasses included — is unchanged; a platform's own pool class is kept.
+sglang's ``load_plugins()`` calls ``register`` at the start of every scheduler process (and in
+the engine's main process, where the bootstrap server starts). It is opt-in twice over:
+installed, it does nothing unless ``SGLANG_PLUGINS`` names ``dsa_bridge`` (sglang loads every
+installed plugin when that variable is empty). Named, it registers two ``HookRegistry`` AROUND
+hooks:
+
+- on sglang's pool-class resolution (``KVCacheConfigurator._resolve_kv_pool_class``): where
+  sglang would build its in-tree ``DSATokenToKVPool``, it builds ``BridgeDSATokenToKVPool``, a
+  subclass. The name ``DSATokenToKVPool`` keeps meaning sglang's class, so every isinstance check
+  in sglang — its other DSA pool subclasses included — is unchanged; a platform's own pool class
+  is kept.
+- on ``sglang.srt.disaggregation.utils.get_kv_class``: for the ``mooncake`` and ``nixl``
+  backends, the manager, sender, receiver and bootstrap server are dsa-bridge's
+  (``sglang_conn``); other backends and ``KVArgs`` are sglang's. ``get_kv_class`` is called
+  with the backend only — it cannot know the model — so the choice per model is made where the
+  model shows: dsa-bridge's manager takes KVArgs whose only state is sglang's DSA indexer
+  (``StateType.DSA``, which sglang's ``setup_state_kv_args`` publishes for its DSA pools) and
+  builds sglang's own manager of that backend for anything else; senders and receivers follow
+  their manager.
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ PLUGIN_NAME = "dsa_bridge"
 POOL_CLASS_RESOLVER = (
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_kv_pool_class"
 )
+KV_CLASS_RESOLVER = "sglang.srt.disaggregation.utils.get_kv_class"
+BRIDGED_BACKENDS = ("mooncake", "nixl")
 
 
 def named_in_sglang_plugins() -> bool:
@@ -46,6 +59,22 @@ def dsa_pool_class(original, configurator, *, kind: str, default: type) -> type:
     return BridgeDSATokenToKVPool
 
 
+def dsa_bridge_kv_class(original, transfer_backend, class_type):
+    """AROUND ``get_kv_class``: dsa-bridge's classes for the Mooncake and NIXL backends (each
+    manager decides per model, see the module docstring); anything else sglang's."""
+    from . import sglang_conn
+
+    chosen = {
+        "manager": sglang_conn.DSABridgeKVManager,
+        "sender": sglang_conn.DSABridgeKVSender,
+        "receiver": sglang_conn.DSABridgeKVReceiver,
+        "bootstrap_server": sglang_conn.DSABridgeKVBootstrapServer,
+    }.get(getattr(class_type, "value", class_type))
+    if chosen is None or getattr(transfer_backend, "value", transfer_backend) not in BRIDGED_BACKENDS:
+        return original(transfer_backend, class_type)
+    return chosen
+
+
 def register() -> None:
     """sglang's entry point: register the hooks, or nothing unless SGLANG_PLUGINS names us."""
     if not named_in_sglang_plugins():
@@ -54,3 +83,4 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(POOL_CLASS_RESOLVER, dsa_pool_class, HookType.AROUND)
+    HookRegistry.register(KV_CLASS_RESOLVER, dsa_bridge_kv_class, HookType.AROUND)

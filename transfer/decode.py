@@ -14,6 +14,9 @@ quarantined until it is proven unable to (it answers a new handshake of this nod
 which it sends only once none of its old writes can run, or its process is gone), or until
 ``quarantine_timeout_s`` (counted as an expiry). A prefill marked dead is offered that new
 handshake, with backoff, from the control thread; requests to it meanwhile fail at once.
+Aux buffers (``aux_buffers``: one slot per request in each) are announced in the handshake; a
+request's slot (``init(..., aux_index=)``) is filled by the stage that holds the last layer, and
+counted in that stage's bytes.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from dsa_bridge.transfer.handshake import (
     pool_buffers,
     transfer_set,
 )
-from dsa_bridge.transfer.plan import PlanError, as_page_ids, check_pages
+from dsa_bridge.transfer.plan import PlanError, as_aux_buffers, as_page_ids, check_aux_index, check_pages
 from dsa_bridge.transfer.request import TERMINAL, KVPoll, RequestState
 from dsa_bridge.transfer.rooms import RoomBook
 from dsa_bridge.transfer.verify import ChunkVerifier
@@ -92,6 +95,7 @@ class KVReceiver:
         self.state = RequestState(room, timeout_s, time.monotonic())
         self.book = RoomBook(p.endpoint for p in peers)
         self.page_ids: np.ndarray | None = None
+        self.aux_index: int | None = None
         self.chunks = 0
         self.nbytes = 0
         self.descriptors = 0
@@ -112,9 +116,20 @@ class KVReceiver:
     def finished(self) -> set[str]:
         return self.book.finished
 
-    def init(self, page_ids, num_tokens: int = 0) -> None:
-        """Send the pages decode allocated for this request to its prefill node(s)."""
+    def init(self, page_ids, num_tokens: int = 0, aux_index: int | None = None) -> None:
+        """Send the pages decode allocated for this request (and its aux slot) to its prefill
+        node(s)."""
+        try:
+            self.aux_index = check_aux_index(self.node.aux_buffers, aux_index, "aux_index")
+        except PlanError as exc:
+            raise ValueError(str(exc)) from None
         self.node._init_receiver(self, page_ids, num_tokens)
+
+    def _aux_peer(self) -> PrefillPeer | None:
+        """The prefill that writes the aux slot: the one holding the last layer."""
+        if self.aux_index is None:
+            return None
+        return max(self.peers, key=lambda p: max(p.layout.layer_ids))
 
     def poll(self) -> KVPoll:
         return self.state.status
@@ -143,7 +158,7 @@ class DecodeNode:
                  heartbeat_s: float = 0.5, in_flight_grace_s: float = 35.0,
                  quarantine_timeout_s: float = 600.0,
                  secret: bytes = b"", index_reads: Iterable[int] | None = None,
-                 checksums: bool = False):
+                 checksums: bool = False, aux_buffers=()):
         if not quarantine_timeout_s > 0:
             raise ValueError(f"quarantine_timeout_s must be > 0, got {quarantine_timeout_s}")
         self.pool = pool
@@ -167,9 +182,11 @@ class DecodeNode:
         self._loop = ControlLoop(self.name, self._on_message, self._on_tick)
         self._closed = False
         self.buffers = pool_buffers(pool)
+        self.aux_buffers = as_aux_buffers(aux_buffers)  # (ptr, nbytes, item_len): host memory
         self._page_limit = min(b.num_items for b in self.buffers)
         self._items = {(b.layer_id, b.kind): b.item_len for b in self.buffers}
-        backend.register([MemoryRegion(d.ptr, d.nbytes, d.device) for d in pool.buffer_descriptors()])
+        backend.register([MemoryRegion(d.ptr, d.nbytes, d.device) for d in pool.buffer_descriptors()]
+                         + [MemoryRegion(b.ptr, b.nbytes, "cpu") for b in self.aux_buffers])
         endpoints = [prefill] if isinstance(prefill, str) else list(prefill)
         try:
             self._engine_metadata = backend.metadata()
@@ -246,7 +263,8 @@ class DecodeNode:
             protocol.PROTOCOL_VERSION, self.name, self.backend.name, self.layout.to_dict(),
             self.layout.layout_hash(), self._engine_metadata, buffer_infos(self.buffers),
             list(self.index_reads), nonce=os.urandom(16), sent_at=time.time(),
-            session=self.session, epoch=epoch)
+            session=self.session, epoch=epoch,
+            aux_buffers=[protocol.AuxInfo(b.ptr, b.nbytes, b.item_len) for b in self.aux_buffers])
         if self.secret:
             hello = msgspec.structs.replace(
                 hello, auth=auth.sign(self.secret, protocol.signed_bytes(hello)))
@@ -376,9 +394,11 @@ class DecodeNode:
                 receiver.book.nothing_sent()
                 return
             receiver.state.advance(KVPoll.WaitingForInput, now)
-        request = protocol.RequestPages(receiver.room, pages.tolist(), int(num_tokens))
+        aux_peer = receiver._aux_peer()
         for peer in receiver.peers:
-            self._loop.send(peer.socket, request)
+            aux = receiver.aux_index if peer is aux_peer else -1
+            self._loop.send(peer.socket, protocol.RequestPages(receiver.room, pages.tolist(),
+                                                               int(num_tokens), aux))
 
     def _abort(self, receiver: KVReceiver, reason: str) -> None:
         with self._lock:
@@ -522,8 +542,9 @@ class DecodeNode:
 
     def _on_part_done_locked(self, receiver: KVReceiver, peer: PrefillPeer, now: float) -> None:
         """A prefill node's last chunk: its part must be complete, and reported only once."""
+        aux_bytes = sum(b.item_len for b in self.aux_buffers) if peer is receiver._aux_peer() else 0
         problem = receiver.book.part_done(
-            peer.endpoint, receiver.page_ids.size * peer.page_bytes,
+            peer.endpoint, receiver.page_ids.size * peer.page_bytes + aux_bytes,
             f"{len(peer.keys)} buffers x {receiver.page_ids.size} pages")
         if problem:
             self._fail_sent_locked(receiver, problem, now)

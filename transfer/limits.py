@@ -27,6 +27,7 @@ from dsa_bridge.plugin.layout import DSALayout
 from dsa_bridge.transfer import checksum, protocol
 from dsa_bridge.transfer.plan import Buffer
 from dsa_bridge.transfer.protocol import (
+    MAX_AUX_BUFFERS,
     MAX_BUFFERS,
     MAX_ENGINE_METADATA_BYTES,
     MAX_LAYERS,
@@ -42,6 +43,7 @@ HEADER_BYTES = 5  # the most a msgpack str, bin or array header takes
 LARGEST = 2**63 - 1  # an int that encodes to INT_BYTES
 KIND_BYTES = 1 + protocol.MAX_KIND_CHARS  # a cache kind: "kv" or "index", ASCII
 BUFFER_INFO_BYTES = 1 + 4 * INT_BYTES + KIND_BYTES  # [layer_id, kind, ptr, nbytes, item_len]
+AUX_INFO_BYTES = 1 + 3 * INT_BYTES  # [ptr, nbytes, item_len]
 BUFFER_KEY_BYTES = 1 + INT_BYTES + KIND_BYTES  # [layer_id, kind] of a chunk's checksums
 
 
@@ -68,11 +70,12 @@ def hello_bytes(layout: DSALayout, backend: str) -> int:
                            sent_at=0.0)
     return (len(protocol.encode(fixed)) + _text(MAX_NAME_CHARS) + layout_bytes(layout)
             + _blob(MAX_ENGINE_METADATA_BYTES) + HEADER_BYTES + MAX_BUFFERS * BUFFER_INFO_BYTES
-            + _ints(MAX_LAYERS) + 3 * _blob(MAX_TOKEN_BYTES) + INT_BYTES)  # nonce, auth, session; epoch
+            + _ints(MAX_LAYERS) + 3 * _blob(MAX_TOKEN_BYTES) + INT_BYTES  # nonce, auth, session; epoch
+            + HEADER_BYTES + MAX_AUX_BUFFERS * AUX_INFO_BYTES)
 
 
 def request_pages_bytes(pages: int) -> int:
-    return len(protocol.encode(protocol.RequestPages(LARGEST, [], LARGEST))) + _ints(pages)
+    return len(protocol.encode(protocol.RequestPages(LARGEST, [], LARGEST, LARGEST))) + _ints(pages)
 
 
 def abort_bytes() -> int:

@@ -177,3 +177,73 @@ def plan_writes(pairs: Sequence[BufferPair], src_pages: object, dst_pages: objec
         length=(run_len[None, :] * item_len).ravel().astype(np.uint64),
         runs=int(run_len.size),
     )
+
+
+# ---- aux buffers: one slot per request in each (SGLang's metadata buffers) ------------------
+AUX_KIND = "aux"
+
+
+def as_aux_buffers(infos: Iterable[tuple[int, int, int]]) -> list[Buffer]:
+    """Aux buffers from ``(ptr, nbytes, item_len)`` triples, numbered by position (they carry no
+    layer id: SGLang's metadata buffers are one list, in the same order on both sides); an
+    empty, null or ragged one is refused."""
+    out = []
+    for i, (ptr, nbytes, item_len) in enumerate(infos):
+        for label, value in (("ptr", ptr), ("nbytes", nbytes), ("item_len", item_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise PlanError(f"aux buffer {i}: {label} must be a positive int, got {value!r}")
+        if nbytes % item_len:
+            raise PlanError(f"aux buffer {i}: nbytes {nbytes} is not a multiple of item_len {item_len}")
+        out.append(Buffer(i, AUX_KIND, ptr, nbytes, item_len))
+    return out
+
+
+def pair_aux(local: Sequence[Buffer], remote: Sequence[Buffer]) -> list[BufferPair]:
+    """Pair aux buffers by position: the same count on both sides and equal item lengths."""
+    if len(local) != len(remote):
+        raise PlanError(f"aux buffers: this side holds {len(local)}, the peer {len(remote)}")
+    pairs = []
+    for src, dst in zip(local, remote, strict=True):
+        if dst.ptr <= 0 or dst.nbytes <= 0 or dst.item_len <= 0 or dst.nbytes % dst.item_len:
+            raise PlanError(f"peer aux buffer {dst.layer_id} is empty, null or ragged "
+                            f"(ptr={dst.ptr:#x}, nbytes={dst.nbytes}, item_len={dst.item_len})")
+        if src.item_len != dst.item_len:
+            raise PlanError(f"aux buffer {src.layer_id}: item_len local {src.item_len} != "
+                            f"peer {dst.item_len}")
+        pairs.append(BufferPair(src, dst))
+    return pairs
+
+
+def check_aux_index(buffers: Sequence[Buffer], index: int | None, name: str) -> int | None:
+    """``index`` (None or -1: no slot) checked against every aux buffer: a slot in all of them."""
+    if index is None or index == -1:
+        return None
+    if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+        raise PlanError(f"{name} must be an int, got {index!r}")
+    if not buffers:
+        raise PlanError(f"{name} is {index} but there are no aux buffers")
+    limit = min(b.num_items for b in buffers)
+    if not 0 <= index < limit:
+        raise PlanError(f"{name} {index} is outside the aux buffers' {limit} slots")
+    return int(index)
+
+
+def with_aux_writes(plan: WritePlan, pairs: Sequence[BufferPair], src_index: int | None,
+                    dst_index: int | None) -> WritePlan:
+    """``plan`` plus one write per aux buffer from slot ``src_index`` into the peer's slot
+    ``dst_index`` (both bounds-checked first); unchanged when the peer asked for no slot."""
+    if dst_index is None:
+        return plan
+    if src_index is None:
+        raise PlanError(f"decode asked for aux slot {dst_index} but this request has none")
+    src = check_aux_index([p.src for p in pairs], src_index, "aux_index")
+    dst = check_aux_index([p.dst for p in pairs], dst_index, "decode's aux_index")
+    item = np.array([p.src.item_len for p in pairs], dtype=np.int64)
+    src_ptr = np.array([p.src.ptr for p in pairs], dtype=np.int64) + src * item
+    dst_ptr = np.array([p.dst.ptr for p in pairs], dtype=np.int64) + dst * item
+    return WritePlan(
+        src=np.concatenate((plan.src, src_ptr.astype(np.uint64))),
+        dst=np.concatenate((plan.dst, dst_ptr.astype(np.uint64))),
+        length=np.concatenate((plan.length, item.astype(np.uint64))),
+        runs=plan.runs,
+    )

@@ -8,7 +8,9 @@ the room, each chunk goes to the writer (``writer.py``: one lane per decode engi
 plans it (every paired buffer, coalesced and bounds-checked) and writes it through the engine
 together with the other chunks queued for that peer; the node then reports the chunk to decode
 (with its page checksums when ``checksums`` is on). Rooms that decode announced but that have no
-sender yet are offered to the application on ``incoming``.
+sender yet are offered to the application on ``incoming``. Aux buffers
+(``aux_buffers``: one slot per request in each) are paired with decode's by position; a
+request's aux slot travels with its last chunk.
 """
 
 from __future__ import annotations
@@ -37,10 +39,15 @@ from dsa_bridge.transfer.handshake import (
     transfer_set,
 )
 from dsa_bridge.transfer.plan import (
+    AUX_KIND,
+    Buffer,
     BufferPair,
     PlanError,
+    as_aux_buffers,
     as_page_ids,
+    check_aux_index,
     check_destination,
+    pair_aux,
 )
 from dsa_bridge.transfer.request import TERMINAL, KVPoll, RequestState
 from dsa_bridge.transfer.writer import Job, Result, Writer
@@ -61,6 +68,7 @@ class DecodePeer:
     session: bytes = b""  # decode's session: a later Hello of it ends this epoch
     senders: list[KVSender] = field(default_factory=list)  # once dropped: its rooms' senders
     dropped_at: float = 0.0
+    aux_pairs: list[BufferPair] = field(default_factory=list)
 
 
 @dataclass
@@ -88,6 +96,7 @@ class _Room:
     dst_pages: np.ndarray
     num_tokens: int
     received_at: float
+    aux_index: int | None = None  # decode's aux slot
 
 
 class KVSender:
@@ -104,10 +113,15 @@ class KVSender:
         self.busy = 0  # chunks queued for or inside the writer
         self.reported = False
         self.write_failed = False  # an engine write failed: its bytes may still land
+        self.aux_index: int | None = None  # this request's aux slot, written with the last chunk
 
-    def init(self, num_pages: int) -> None:
+    def init(self, num_pages: int, aux_index: int | None = None) -> None:
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
+        try:
+            self.aux_index = check_aux_index(self.node.aux_buffers, aux_index, "aux_index")
+        except PlanError as exc:
+            raise ValueError(str(exc)) from None
         self.node._init_sender(self, num_pages)
 
     def send(self, page_ids) -> None:
@@ -136,7 +150,8 @@ class PrefillNode:
                  name: str = "prefill", request_timeout_s: float = 60.0,
                  peer_timeout_s: float = 5.0, heartbeat_s: float = 0.5,
                  write_timeout_s: float = 30.0, secret: bytes = b"",
-                 allow_insecure: bool = False, checksums: bool = False):
+                 allow_insecure: bool = False, checksums: bool = False,
+                 aux_buffers=()):
         host, port = parse_endpoint(listen, "listen")
         auth.check_listener(host, secret, allow_insecure)
         self.pool = pool
@@ -158,7 +173,9 @@ class PrefillNode:
         # timeout in their main thread, where SIGTERM arrives
         self.incoming: queue.Queue[IncomingRoom] = queue.Queue()
         self.buffers = pool_buffers(pool)
-        self.backend.register([MemoryRegion(d.ptr, d.nbytes, d.device) for d in pool.buffer_descriptors()])
+        self.aux_buffers = as_aux_buffers(aux_buffers)  # (ptr, nbytes, item_len): host memory
+        self.backend.register([MemoryRegion(d.ptr, d.nbytes, d.device) for d in pool.buffer_descriptors()]
+                              + [MemoryRegion(b.ptr, b.nbytes, "cpu") for b in self.aux_buffers])
 
         self._lock = threading.RLock()
         self._peers: dict[bytes, DecodePeer] = {}
@@ -263,7 +280,9 @@ class PrefillNode:
         for offset, pages, last in sender.pending:
             sender.busy += 1
             self._writer.submit(Job(sender, room, room.peer.engine_peer, room.peer.pairs, offset,
-                                    pages, room.dst_pages[offset:offset + pages.size], last))
+                                    pages, room.dst_pages[offset:offset + pages.size], last,
+                                    aux_pairs=room.peer.aux_pairs, aux_src=sender.aux_index,
+                                    aux_dst=room.aux_index))
         sender.pending.clear()
 
     def _fail(self, sender: KVSender, reason: str, *, in_flight: bool = False) -> None:
@@ -371,6 +390,7 @@ class PrefillNode:
                 raise HandshakeError(str(exc)) from None
             keys = transfer_set(self.layout, layout, reads)
             pairs = pair_with_peer(layout, self.buffers, hello.buffers, keys)
+            aux_pairs = self._pair_aux(hello)
             engine_peer = self.backend.connect(hello.engine_metadata)
         except (HandshakeError, BackendError) as exc:
             self.counters.add(handshakes_refused=1)
@@ -387,7 +407,8 @@ class PrefillNode:
                 del self._peers[peer.identity]
                 self._drop_peer(peer, "decode re-handshaked")
             self._peers[identity] = DecodePeer(identity, hello.node, engine_peer, pairs,
-                                               time.monotonic(), session=session)
+                                               time.monotonic(), session=session,
+                                               aux_pairs=aux_pairs)
             for peer in old:
                 self._disconnect_engine(peer)
             self._fences[session] = _Fence(identity, hello, [
@@ -407,6 +428,13 @@ class PrefillNode:
                 self._ack(True, "", fence.hello, unsigned=True),
                 in_flight=sorted({s.room for s in fence.senders if s.write_failed}))
             self._loop.send(self._socket, self._sign(ack, fence.hello), fence.identity)
+
+    def _pair_aux(self, hello: protocol.Hello) -> list[BufferPair]:
+        remote = [Buffer(i, AUX_KIND, a.ptr, a.nbytes, a.item_len) for i, a in enumerate(hello.aux_buffers)]
+        try:
+            return pair_aux(self.aux_buffers, remote)
+        except PlanError as exc:
+            raise HandshakeError(str(exc)) from None
 
     def _ack(self, ok: bool, reason: str, hello: protocol.Hello, *,
              unsigned: bool = False) -> protocol.HelloAck:
@@ -435,10 +463,11 @@ class PrefillNode:
             return
         try:
             dst = check_destination(peer.pairs, request.dst_pages)
+            aux = check_aux_index([p.dst for p in peer.aux_pairs], request.aux_index, "decode's aux_index")
         except PlanError as exc:
             self._refuse_request(peer, request.room, f"bad pages: {exc}")
             return
-        self._rooms[request.room] = _Room(peer, dst, request.num_tokens, time.monotonic())
+        self._rooms[request.room] = _Room(peer, dst, request.num_tokens, time.monotonic(), aux)
         peer.rooms.add(request.room)
         sender = self._senders.get(request.room)
         if sender is None:

@@ -6,8 +6,9 @@ and epoch); prefill answers ``HelloAck`` with its own layout. A later Hello of t
 (decode re-handshaking with a prefill it had marked dead) ends the earlier epochs: prefill drops
 their rooms and answers only once none of their writes can still run, so on the one connection
 everything after the new HelloAck belongs to the new epoch. Then per request decode sends
-``RequestPages`` and prefill answers with one ``ChunkDone`` per chunk it wrote (with the chunk's
-page checksums when prefill runs with them). Either side may send ``Abort``; both send
+``RequestPages`` and prefill answers with one ``ChunkDone`` per chunk it wrote (the last one
+includes the request's aux slots when decode announced aux buffers and asked for a slot; each
+carries the chunk's page checksums when prefill runs with them). Either side may send ``Abort``; both send
 ``Heartbeat``. Data never travels here, only page ids, checksums and states.
 """
 
@@ -38,6 +39,7 @@ MAX_REASON_CHARS = 4096  # why a request or a handshake failed; longer ones are 
 MAX_TOKEN_BYTES = 64  # nonces, signatures
 HASH_CHARS = 64  # sha256 hex
 MAX_ROOMS = 4096  # rooms named in one HelloAck (those of a dropped session whose failed write may land)
+MAX_AUX_BUFFERS = 64  # SGLang's metadata buffers: about ten
 MAX_KIND_CHARS = 8  # a cache kind: "kv", "index"
 
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
@@ -59,6 +61,14 @@ class BufferInfo(msgspec.Struct, frozen=True, array_like=True):
     item_len: int
 
 
+class AuxInfo(msgspec.Struct, frozen=True, array_like=True):
+    """One aux buffer (one slot per request, ``item_len`` bytes each), paired by position."""
+
+    ptr: int
+    nbytes: int
+    item_len: int
+
+
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
     version: int
     node: Name
@@ -73,6 +83,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     auth: Token = b""
     session: Token = b""  # one per decode node: a later Hello of the same session replaces it
     epoch: int = 0  # counts decode's handshakes of this session with this prefill node
+    aux_buffers: Annotated[list[AuxInfo], msgspec.Meta(max_length=MAX_AUX_BUFFERS)] = []
 
 
 class HelloAck(msgspec.Struct, frozen=True, tag="hello_ack"):
@@ -90,11 +101,13 @@ class HelloAck(msgspec.Struct, frozen=True, tag="hello_ack"):
 
 
 class RequestPages(msgspec.Struct, frozen=True, tag="request"):
-    """Decode has allocated ``dst_pages`` for ``room``; prefill writes the request there."""
+    """Decode has allocated ``dst_pages`` for ``room``; prefill writes the request there, and
+    its aux slots into decode's slot ``aux_index`` (-1: none)."""
 
     room: int
     dst_pages: list[int]
     num_tokens: int
+    aux_index: int = -1
 
 
 class PageChecksums(msgspec.Struct, frozen=True, array_like=True):

@@ -33,7 +33,7 @@ import numpy as np
 
 from dsa_bridge.transfer import checksum, protocol
 from dsa_bridge.transfer.backends.base import BackendError, TransferBackend
-from dsa_bridge.transfer.plan import BufferPair, PlanError, WritePlan, plan_writes
+from dsa_bridge.transfer.plan import BufferPair, PlanError, WritePlan, plan_writes, with_aux_writes
 from dsa_bridge.transfer.request import KVPoll
 
 log = logging.getLogger(__name__)
@@ -55,11 +55,19 @@ class Job:
     dst_pages: np.ndarray
     last: bool
     layers: frozenset[int] | None = None
+    aux_pairs: Sequence[BufferPair] = ()  # the request's aux slots go with its last chunk:
+    aux_src: int | None = None  # from this slot of prefill's aux buffers
+    aux_dst: int | None = None  # into this slot of decode's (None: decode asked for none)
 
     def buffer_pairs(self) -> list[BufferPair]:
         if self.layers is None:
             return list(self.pairs)
         return [pair for pair in self.pairs if pair.src.layer_id in self.layers]
+
+    def plan(self, pairs: Sequence[BufferPair]) -> WritePlan:
+        """The chunk's writes into ``pairs`` (and, with the last chunk, the aux slots)."""
+        plan = plan_writes(pairs, self.pages, self.dst_pages)
+        return with_aux_writes(plan, self.aux_pairs, self.aux_src, self.aux_dst) if self.last else plan
 
 
 @dataclass(frozen=True)
@@ -184,7 +192,7 @@ class Writer:
                 continue
             try:
                 pairs = job.buffer_pairs()
-                plan = plan_writes(pairs, job.pages, job.dst_pages)
+                plan = job.plan(pairs)
                 sums = self._prepare(job, pairs)
             except PlanError as exc:
                 self._report(Result(job, ok=False, reason=f"bad pages: {exc}"))

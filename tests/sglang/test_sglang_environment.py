@@ -28,6 +28,11 @@ def test_real_sglang_release_beside_the_pinned_cpu_torch():
     "sglang.srt.disaggregation.utils",
     "sglang.srt.disaggregation.base.conn",
     "sglang.srt.plugins",
+    "sglang.srt.disaggregation.common.conn",  # the bootstrap server and sglang's connectors
+    "sglang.srt.disaggregation.mooncake",
+    "sglang.srt.disaggregation.nixl",
+    "sglang.srt.disaggregation.prefill",  # the schedulers' KVArgs fill (_init_kv_manager)
+    "sglang.srt.disaggregation.decode",
 ])
 def test_the_sglang_modules_this_tier_uses_import(module):
     assert importlib.import_module(module).__name__ == module

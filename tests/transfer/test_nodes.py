@@ -345,3 +345,84 @@ def test_waiting_on_incoming_with_a_timeout_survives_signals():
                             timeout=60, stdin=subprocess.DEVNULL, cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("served")
+
+
+def aux_tensors(slots: int, fill: int | None = None) -> list[np.ndarray]:
+    """Two aux buffers of ``slots`` slots (64 and 512 bytes a slot), as SGLang's metadata buffers."""
+    rng = np.random.default_rng(slots)
+    out = [np.zeros((slots, 64), np.uint8), np.zeros((slots, 512), np.uint8)]
+    for buf in out:
+        buf[:] = rng.integers(0, 256, buf.shape, dtype=np.uint8) if fill is None else fill
+    return out
+
+
+def infos(bufs):
+    return [(b.ctypes.data, b.nbytes, b[0].nbytes) for b in bufs]
+
+
+@pytest.fixture
+def aux_nodes():
+    made = []
+
+    def build(prefill_aux, decode_aux):
+        prefill = PrefillNode(make_pool(), FakeBackend(), peer_timeout_s=1.0, heartbeat_s=0.1,
+                              aux_buffers=infos(prefill_aux))
+        made.append(prefill)
+        decode = DecodeNode(make_pool(size=64 * 24, sentinel=True), FakeBackend(), prefill.endpoint,
+                            peer_timeout_s=1.0, heartbeat_s=0.1, aux_buffers=infos(decode_aux))
+        made.append(decode)
+        return prefill, decode
+
+    yield build
+    for node in reversed(made):
+        node.close()
+
+
+def test_aux_slots_travel_with_the_last_chunk_and_count_in_the_bytes(aux_nodes):
+    src_aux, dst_aux = aux_tensors(8), aux_tensors(6, fill=0xA5)
+    prefill, decode = aux_nodes(src_aux, dst_aux)
+    src, dst = [9, 3, 4, 5], [2, 11, 12, 13]
+    fill_request(prefill.pool, 1, np.asarray(src))
+    receiver = decode.receiver(1)
+    receiver.init(dst, aux_index=4)
+    sender = prefill.sender(1)
+    sender.init(len(src), aux_index=7)
+    sender.send(src[:2])
+    sender.send(src[2:])
+    wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), what="request end")
+    assert receiver.poll() == KVPoll.Success, receiver.failure_exception()
+    assert count_mismatches(decode.pool, 1, np.array(dst)) == 0
+    for a, b in zip(src_aux, dst_aux, strict=True):
+        assert np.array_equal(b[4], a[7])
+        assert (np.delete(b, 4, axis=0) == 0xA5).all()
+    layout = decode.pool.layout
+    assert receiver.nbytes == 4 * (layout.kv_page_bytes + layout.index_page_bytes) * 4 + 64 + 512
+
+
+def test_aux_handshake_refuses_other_counts_or_slot_sizes(aux_nodes):
+    with pytest.raises(HandshakeError, match="aux buffers: this side holds 2, the peer 1"):
+        aux_nodes(aux_tensors(8), aux_tensors(8)[:1])
+    with pytest.raises(HandshakeError, match="aux buffer 0: item_len local 64 != peer 128"):
+        aux_nodes(aux_tensors(8), [np.zeros((8, 128), np.uint8), np.zeros((8, 512), np.uint8)])
+
+
+def test_aux_slots_out_of_range_refused_on_both_sides(aux_nodes):
+    prefill, decode = aux_nodes(aux_tensors(8), aux_tensors(6, fill=0xA5))
+    with pytest.raises(ValueError, match="aux_index 6 is outside the aux buffers' 6 slots"):
+        decode.receiver(1).init([2], aux_index=6)
+    with pytest.raises(ValueError, match="aux_index 8 is outside the aux buffers' 8 slots"):
+        prefill.sender(2).init(1, aux_index=8)
+
+
+def test_decode_slot_without_a_prefill_slot_fails_before_any_write(aux_nodes):
+    dst_aux = aux_tensors(6, fill=0xA5)
+    prefill, decode = aux_nodes(aux_tensors(8), dst_aux)
+    receiver = decode.receiver(3)
+    receiver.init([2, 3], aux_index=1)
+    sender = prefill.sender(3)
+    sender.init(2)
+    sender.send([5, 6])
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, what="request failure")
+    assert "decode asked for aux slot 1 but this request has none" in str(receiver.failure_exception())
+    assert sentinel_intact(decode.pool, np.arange(1, decode.pool.num_kv_pages))
+    assert all((b == 0xA5).all() for b in dst_aux)

@@ -10,9 +10,13 @@ from hypothesis import strategies as st
 from dsa_bridge.transfer.plan import (
     Buffer,
     PlanError,
+    as_aux_buffers,
+    check_aux_index,
     coalesce_runs,
+    pair_aux,
     pair_buffers,
     plan_writes,
+    with_aux_writes,
 )
 
 KV, IDX = 41984, 8448
@@ -155,3 +159,58 @@ def test_coalesce_is_vectorised_and_handles_one_page():
     big = np.arange(1, 200_001)
     s, d, n = coalesce_runs(big, big[::-1].copy())
     assert n.size == 200_000
+
+
+AUX = [(10**6, 8 * 64, 64), (2 * 10**6, 8 * 512, 512)]  # (ptr, nbytes, item_len): 8 slots each
+
+
+def aux_pairs():
+    return pair_aux(as_aux_buffers(AUX), as_aux_buffers([(p + 10**9, n * 2, i) for p, n, i in AUX]))
+
+
+def test_aux_slots_join_the_plan_after_the_pages():
+    plan = plan_writes(pairs(), [5, 6], [1, 2])
+    joined = with_aux_writes(plan, aux_pairs(), 3, 11)
+    assert joined.descriptors == plan.descriptors + 2 and joined.runs == plan.runs
+    assert list(joined.src[-2:]) == [10**6 + 3 * 64, 2 * 10**6 + 3 * 512]
+    assert list(joined.dst[-2:]) == [10**9 + 10**6 + 11 * 64, 10**9 + 2 * 10**6 + 11 * 512]
+    assert joined.nbytes == plan.nbytes + 64 + 512
+    assert with_aux_writes(plan, aux_pairs(), 3, None) is plan  # decode asked for no slot
+
+
+@pytest.mark.parametrize("src, dst, message", [
+    (8, 1, "aux_index 8 is outside the aux buffers' 8 slots"),
+    (-2, 1, "aux_index -2 is outside"),
+    (1, 16, "decode's aux_index 16 is outside the aux buffers' 16 slots"),
+    (None, 1, "decode asked for aux slot 1 but this request has none"),
+    ("1", 1, "aux_index must be an int"),
+])
+def test_aux_slots_are_bounds_checked_before_any_address(src, dst, message):
+    with pytest.raises(PlanError, match=message):
+        with_aux_writes(plan_writes(pairs(), [5], [1]), aux_pairs(), src, dst)
+
+
+def test_no_aux_buffers_means_no_slot():
+    assert check_aux_index([], None, "aux_index") is None
+    assert check_aux_index([], -1, "aux_index") is None
+    with pytest.raises(PlanError, match="aux_index is 0 but there are no aux buffers"):
+        check_aux_index([], 0, "aux_index")
+
+
+@pytest.mark.parametrize("remote, message", [
+    (AUX[:1], "aux buffers: this side holds 2, the peer 1"),
+    ([AUX[0], (3 * 10**6, 8 * 256, 256)], "aux buffer 1: item_len local 512 != peer 256"),
+])
+def test_aux_pairs_by_position_with_equal_counts_and_item_lens(remote, message):
+    with pytest.raises(PlanError, match=message):
+        pair_aux(as_aux_buffers(AUX), as_aux_buffers(remote))
+
+
+@pytest.mark.parametrize("infos, message", [
+    ([(0, 64, 64)], "aux buffer 0: ptr must be a positive int"),
+    ([(4096, 0, 64)], "aux buffer 0: nbytes must be a positive int"),
+    ([(4096, 100, 64)], "nbytes 100 is not a multiple of item_len 64"),
+])
+def test_bad_aux_buffers_refused(infos, message):
+    with pytest.raises(PlanError, match=message):
+        as_aux_buffers(infos)

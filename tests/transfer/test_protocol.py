@@ -13,7 +13,10 @@ SAMPLES = [
     protocol.Hello(protocol.PROTOCOL_VERSION, "d", "mooncake", {"page_size": 64}, "abc",
                    b"127.0.0.1:15001", [protocol.BufferInfo(3, "kv", 4096, 8192, 4096)], [3]),
     protocol.HelloAck(1, False, "layout mismatch", "p", {}, ""),
+    protocol.Hello(protocol.PROTOCOL_VERSION, "d", "nixl", {}, "", b"md", [], [],
+                   aux_buffers=[protocol.AuxInfo(4096, 64 * 8, 64)]),
     protocol.RequestPages(7, [1, 2, 9], 130),
+    protocol.RequestPages(7, [1, 2, 9], 130, aux_index=5),
     protocol.ChunkDone(7, 0, ok=True, last=True, nbytes=10, descriptors=2),
     protocol.Abort(7, "client went away"),
     protocol.Heartbeat(1.5),
@@ -49,6 +52,17 @@ def test_wrong_field_types_rejected():
                                    "num_tokens": 3})
     with pytest.raises(ProtocolError, match="room"):
         protocol.decode(data)
+
+
+def test_aux_fields_default_for_peers_that_do_not_send_them():
+    import msgspec
+
+    hello = msgspec.msgpack.encode({"type": "hello", "version": 2, "node": "d", "backend": "nixl",
+                                    "layout": {}, "layout_hash": "", "engine_metadata": b"",
+                                    "buffers": [], "index_reads": []})
+    assert protocol.decode(hello).aux_buffers == []
+    request = msgspec.msgpack.encode({"type": "request", "room": 7, "dst_pages": [1], "num_tokens": 3})
+    assert protocol.decode(request).aux_index == -1
 
 
 def test_oversized_rejected():

@@ -1,0 +1,236 @@
+"""One sglang PD rank for ``test_sglang_conn.py``, in its own process: ``python -m
+tests.sglang.pd_rank ROLE CONFIGS_JSON`` runs each scenario of the list in turn (each with its
+own bootstrap port, pools and manager, closed before the next) and prints one ``RESULT [json,
+...]`` line.
+
+As a scheduler process would: the shims, sglang's own ``load_plugins()`` (``SGLANG_PLUGINS``
+from the environment), a published ``ServerArgs``, sglang's own pool and ``MetadataBuffers`` on
+the CPU, and sglang's own ``_init_kv_manager`` of ``PrefillBootstrapQueue`` /
+``DecodePreallocQueue`` (the KVArgs fill, ``setup_state_kv_args``, then the manager class from
+the hooked ``get_kv_class``) over a stand-in for the scheduler attributes it reads. Then the
+calls its queues make, in their order: prefill — bootstrap server, sender, poll to
+WaitingForInput (bootstrap queue), ``init(num_pages, aux_index)``, the forward (the pool
+filled), ``send`` per chunk with the DSA state indices on the last, poll to the end (inflight
+queue); decode — receiver, ``try_ensure_parallel_info``, ``init(prefill_dp_rank)``, poll to
+WaitingForInput, ``send_metadata(pages, aux_index, state_indices)`` (prealloc queue), poll to
+the end (transfer queue), then the bytes compared with what prefill wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from types import SimpleNamespace
+
+import tests.sglang.conftest as shims  # noqa: F401  (the shims, before sglang)
+
+SENTINEL = 0xA5
+
+
+def pool_kwargs(cfg: dict) -> dict:
+    import torch
+
+    return dict(size=64 * cfg["pages"], page_size=64, kv_lora_rank=512, dtype=torch.float8_e4m3fn,
+                qk_rope_head_dim=64, layer_num=cfg["layers"], device="cpu", index_head_dim=128,
+                enable_memory_saver=False, kv_cache_dim=cfg["kv_cache_dim"],
+                start_layer=cfg.get("start_layer", 0), skip_topk_layers=cfg.get("skip"))
+
+
+def make_pool(cfg: dict, bridge: bool):
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    from dsa_bridge.plugin.sglang_pool import BridgeDSATokenToKVPool
+
+    return (BridgeDSATokenToKVPool if bridge else DSATokenToKVPool)(**pool_kwargs(cfg))
+
+
+def views(pool) -> dict[str, object]:
+    """Every non-empty buffer as uint8 pages: ``kv:L`` and ``index:L`` by global layer id."""
+    import torch
+
+    out = {}
+    for i, buf in enumerate(pool.kv_buffer):
+        out[f"kv:{pool.start_layer + i}"] = buf.view(torch.uint8).reshape(-1, 64 * buf.shape[-1])
+    for i, buf in enumerate(pool.index_k_with_scale_buffer):
+        if buf.numel():
+            out[f"index:{pool.start_layer + i}"] = buf.view(torch.uint8)
+    return out
+
+
+def aux_views(metadata) -> list:
+    import torch
+
+    ptrs = metadata.get_buf_infos()[0]
+    bufs = [b for b in vars(metadata).values() if isinstance(b, torch.Tensor)]
+    by_ptr = {b.data_ptr(): b for b in bufs}
+    return [by_ptr[p].view(torch.uint8).reshape(by_ptr[p].shape[0], -1) for p in ptrs]
+
+
+def fill(tensors, seed: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    for t in tensors:
+        t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
+
+
+def fill_pool(pool, seed: int) -> None:
+    """Each buffer's bytes a function of (seed, layer id, kind) only, so a pipeline stage's pool
+    and a whole-model pool hold the same bytes for the same layer."""
+    for key, view in views(pool).items():
+        kind, layer = key.split(":")
+        fill([view], seed * 1000 + int(layer) * 2 + (kind == "index"))
+
+
+def metadata_buffers():
+    import torch
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
+    return MetadataBuffers(size=8, hidden_size=64, hidden_states_dtype=torch.bfloat16,
+                           max_sampling_mask_tokens=16)
+
+
+def scheduler_stand_in(cfg: dict, server_args, pool, metadata, mode: str):
+    """The scheduler attributes sglang's ``_init_kv_manager`` reads, around sglang's own objects."""
+    from sglang.srt.disaggregation.utils import TransferBackend, is_mla_backend
+
+    scheduler = SimpleNamespace(
+        rust_server=None, server_args=server_args, req_to_token_pool=None, enable_hisparse=False,
+        tp_worker=SimpleNamespace(model_runner=SimpleNamespace(kv_cache_dtype_str="fp8_e4m3")),
+        model_config=SimpleNamespace(num_hidden_layers=cfg["model_layers"], hf_text_config=None))
+    return SimpleNamespace(
+        transfer_backend=TransferBackend(cfg["engine"]), tp_rank=0, pp_rank=0, scheduler=scheduler,
+        token_to_kv_pool=pool, draft_token_to_kv_pool=None, is_mla_backend=is_mla_backend(pool),
+        metadata_buffers=metadata, enable_staging=False)
+
+
+def wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.005)
+    raise TimeoutError(f"{what} not reached within {timeout_s}s")
+
+
+def run_prefill(cfg: dict, server_args) -> dict:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    backend = TransferBackend(cfg["engine"])
+    server = (get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=cfg["port"])
+              if cfg.get("pp_rank", 0) == 0 else None)  # one server per prefill (sglang's main process)
+    pool, metadata = make_pool(cfg, bridge=cfg.get("bridge_pool", False)), metadata_buffers()
+    stand_in = scheduler_stand_in(cfg, server_args, pool, metadata, "prefill")
+    stand_in.pp_rank = cfg.get("pp_rank", 0)
+    manager = PrefillBootstrapQueue._init_kv_manager(stand_in)
+    result = {"manager": type(manager).__qualname__, "server": type(server).__qualname__,
+              "layers": manager.bridge.kv_layer_ids,
+              "state_layer_ids": manager.kv_args.state_layer_ids,
+              "kv_layer_ids": manager.kv_args.kv_layer_ids}
+    print("READY", flush=True)
+    sender = get_kv_class(backend, KVClassType.SENDER)(
+        mgr=manager, bootstrap_addr=f"127.0.0.1:{cfg['port']}", bootstrap_room=cfg["room"])
+    result["sender"] = type(sender).__qualname__
+    try:  # the bootstrap queue; a refused handshake ends the wait (the request would time out)
+        wait(lambda: sender.poll() != KVPoll.Bootstrapping or manager.node.refusals,
+             cfg["bootstrap_wait_s"], "bootstrap")
+    except TimeoutError:
+        pass
+    if sender.poll() == KVPoll.Bootstrapping:
+        result.update(poll=int(sender.poll()), refused=manager.node.refusals)
+        manager.shutdown()
+        close(server)
+        return result
+    assert sender.poll() == KVPoll.WaitingForInput, sender.poll()
+    src = cfg["src_pages"]
+    sender.init(len(src), cfg["src_aux"])
+    fill_pool(pool, cfg["seed"])  # the forward pass writes the cache...
+    fill(aux_views(metadata), seed=cfg["seed"] + 1)  # ...and the first token's metadata
+    half = len(src) // 2
+    sender.send(src[:half], None)
+    sender.send(src[half:], [src])  # sglang's DSA state indices: the request's pages, last chunk
+    wait(lambda: sender.poll() in (KVPoll.Success, KVPoll.Failed), 60, "prefill end")
+    result.update(poll=int(sender.poll()), bytes=manager.node.counters.snapshot()["bytes"])
+    manager.shutdown()
+    close(server)
+    return result
+
+
+def close(server) -> None:
+    if server is not None:
+        server.close()
+
+
+def run_decode(cfg: dict, server_args) -> dict:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    backend = TransferBackend(cfg["engine"])
+    pool, metadata = make_pool(cfg, bridge=cfg.get("bridge_pool", True)), metadata_buffers()
+    for view in [*views(pool).values(), *aux_views(metadata)]:
+        view.fill_(SENTINEL)
+    manager = DecodePreallocQueue._init_kv_manager(scheduler_stand_in(cfg, server_args, pool, metadata,
+                                                                      "decode"))
+    addr = f"127.0.0.1:{cfg['port']}"
+    receiver = get_kv_class(backend, KVClassType.RECEIVER)(mgr=manager, bootstrap_addr=addr,
+                                                           bootstrap_room=cfg["room"])
+    result = {"manager": type(manager).__qualname__, "receiver": type(receiver).__qualname__}
+    wait(lambda: manager.try_ensure_parallel_info(addr), 180, "prefill parallel info")  # a loaded host
+    info = manager.prefill_info_table[addr]
+    receiver.init(0 if info.dp_size == 1 else cfg["room"] % info.dp_size)
+    wait(lambda: receiver.poll() != KVPoll.Bootstrapping, 30, "decode bootstrap")
+    if receiver.poll() == KVPoll.Failed:
+        try:
+            receiver.failure_exception()
+        except Exception as exc:  # the reason sglang's queue would log
+            result["reason"] = str(exc)
+        result.update(poll=int(receiver.poll()),
+                      untouched=all(bool((v == SENTINEL).all()) for v in views(pool).values()))
+        manager.shutdown()
+        return result
+    dst = cfg["dst_pages"]
+    receiver.send_metadata(dst, cfg["dst_aux"], [dst])
+    wait(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), 60, "decode end")
+    result["poll"] = int(receiver.poll())
+    expected_pool, expected_meta = make_pool(cfg, bridge=False), metadata_buffers()
+    fill_pool(expected_pool, cfg["seed"])
+    fill(aux_views(expected_meta), seed=cfg["seed"] + 1)
+    got, want = views(pool), views(expected_pool)
+    others = [p for p in range(1, cfg["pages"] + 1) if p not in dst]
+    result["buffers"] = sorted(got)
+    result["mismatched"] = [k for k in got if not bool((got[k][dst] == want[k][cfg["src_pages"]]).all())]
+    result["others_sentinel"] = all(bool((got[k][others] == SENTINEL).all()) for k in got)
+    aux_got, aux_want = aux_views(metadata), aux_views(expected_meta)
+    result["aux_exact"] = all(bool((g[cfg["dst_aux"]] == w[cfg["src_aux"]]).all())
+                              for g, w in zip(aux_got, aux_want, strict=True))
+    result["aux_others_sentinel"] = all(
+        bool((g[[i for i in range(g.shape[0]) if i != cfg["dst_aux"]]] == SENTINEL).all()) for g in aux_got)
+    result["aux_bytes"] = sum(g.shape[1] for g in aux_got)
+    result["nbytes"] = receiver._receiver.nbytes
+    result["stages"] = len(receiver._receiver.peers)
+    receiver.clear()
+    manager.shutdown()
+    return result
+
+
+def main() -> None:
+    role, configs = sys.argv[1], json.loads(sys.argv[2])
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    results = []
+    for cfg in configs:
+        with shims.published_context(disaggregation_mode=role, disaggregation_transfer_backend=cfg["engine"],
+                                     disaggregation_bootstrap_port=cfg["port"], host="127.0.0.1",
+                                     pp_size=cfg.get("pp_size", 1)) as args:
+            results.append((run_prefill if role == "prefill" else run_decode)(cfg, args))
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

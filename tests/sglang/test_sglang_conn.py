@@ -1,0 +1,380 @@
+"""dsa-bridge as sglang's PD transfer (``plugin/sglang_conn.py``, ``plugin/sglang_kvargs.py``),
+against the real sglang 0.5.23 on the CPU.
+
+- ``get_kv_class`` returns dsa-bridge's classes after sglang's own ``load_plugins()``, only for
+  Mooncake and NIXL, only when ``SGLANG_PLUGINS`` names the plugin; a pool that is not DSA gets
+  sglang's own manager (a real ``MooncakeKVManager``) from dsa-bridge's class;
+- the KVArgs sglang's own code fills for its DSA pools (no layer ids) become dsa-bridge buffers
+  with derived layer ids, uniform and compact, and what does not fit is refused by name;
+- prefill and decode in two processes (``pd_rank.py``), sglang's own pools, ``MetadataBuffers``
+  and ``_init_kv_manager``, driven in the order of sglang's queues: byte-exact on the KV and
+  indexer of every layer and on the aux slot, both engines, DeepSeek-V3.2 and GLM-5.2 (uniform
+  and compact); a compact prefill against a uniform decode, and another layer range, refused at
+  the handshake with decode's pool still at its sentinel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from tests.conftest import require_engine
+
+from .conftest import SGLANG_MISSING, published_context
+
+if SGLANG_MISSING:
+    pytest.skip(SGLANG_MISSING, allow_module_level=True)
+
+from sglang.srt.disaggregation.base import KVArgs  # noqa: E402
+from sglang.srt.disaggregation.utils import DisaggregationMode, setup_state_kv_args  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SGLangPool  # noqa: E402
+
+from dsa_bridge.plugin.sglang_conn import (  # noqa: E402
+    DSABridgeKVBootstrapServer,
+    DSABridgeKVManager,
+    DSABridgeKVReceiver,
+)
+from dsa_bridge.plugin.sglang_kvargs import bridge_buffers, dsa_problem  # noqa: E402
+from dsa_bridge.plugin.sglang_pool import BridgeDSATokenToKVPool  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYOUT_KW = dict(page_size=64, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)
+DSV32 = dict(size=64 * 8, dtype=torch.float8_e4m3fn, layer_num=4, device="cpu", enable_memory_saver=False,
+             kv_cache_dim=656, **LAYOUT_KW)
+GLM_SKIP = [False, False, False, True, True, True, False, True]  # GLM-5.2's first 8 layers
+GLM = {**DSV32, "layer_num": 8, "kv_cache_dim": 576}
+
+
+def kv_args_of(pool, *, start_layer: int | None = None) -> KVArgs:
+    """KVArgs as sglang's prefill ``_init_kv_manager`` fills them for a DSA pool (no layer ids)."""
+    args = KVArgs()
+    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = pool.get_contiguous_buf_infos()
+    args.kv_layer_ids, args.num_draft_entries, args.page_size = [], 0, pool.page_size
+    args.prefill_start_layer = pool.start_layer if start_layer is None else start_layer
+    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [4096], [64 * 8], [64]
+    setup_state_kv_args(args, pool)
+    return args
+
+
+# ---- get_kv_class through sglang's own load_plugins (own processes) -----------------------------
+
+PROBE = """
+import json, logging
+import tests.sglang.conftest as shims
+logging.basicConfig(level=logging.INFO)
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+from sglang.srt.managers import disagg_service
+name = lambda c: None if c is None else c.__module__.rsplit(".", 1)[-1] + "." + c.__qualname__
+out = {b.value: {t.value: name(get_kv_class(b, t)) for t in KVClassType}
+       for b in (TransferBackend.MOONCAKE, TransferBackend.NIXL, TransferBackend.FAKE)}
+out["disagg_service_sees_hook"] = disagg_service.get_kv_class is get_kv_class
+if FALLBACK:
+    from sglang.srt.disaggregation.base import KVArgs
+    from sglang.srt.disaggregation.utils import DisaggregationMode, setup_state_kv_args
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    import torch
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        init_mooncake_transfer_engine)
+    init_mooncake_transfer_engine("127.0.0.1")  # as sglang's model runner does for PD
+    with shims.published_context(disaggregation_mode="decode",
+                                 disaggregation_transfer_backend="mooncake") as server_args:
+        pool = MLATokenToKVPool(size=128, page_size=64, dtype=torch.bfloat16, kv_lora_rank=512,
+                                qk_rope_head_dim=64, layer_num=2, device="cpu", enable_memory_saver=False)
+        args = KVArgs()
+        args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = pool.get_contiguous_buf_infos()
+        args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [], [], []
+        args.kv_layer_ids, args.page_size, args.engine_rank, args.pp_rank = [], 64, 0, 0
+        args.kv_cache_dtype_str, args.kv_layout, args.system_dp_rank = "auto", None, 0
+        args.ib_device, args.gpu_id = "", 0
+        setup_state_kv_args(args, pool)
+        cls = get_kv_class(TransferBackend.MOONCAKE, KVClassType.MANAGER)
+        manager = cls(args, DisaggregationMode.DECODE, server_args, True)
+        out["fallback"] = [name(cls), name(type(manager))]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def probe(plugins: str | None, fallback: bool = False) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
+    env.update(SGLANG_HOST_IP="127.0.0.1", MC_LOG_LEVEL="ERROR")
+    if plugins is not None:
+        env["SGLANG_PLUGINS"] = plugins
+    out = subprocess.run([sys.executable, "-c", f"FALLBACK = {fallback}\n" + PROBE], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
+    return {**json.loads(line[len("RESULT "):]), "log": out.stderr}
+
+
+def test_get_kv_class_gives_dsa_bridge_classes_for_mooncake_and_nixl_and_falls_back_per_model():
+    require_engine("mooncake")
+    got = probe("dsa_bridge", fallback=True)
+    for backend in ("mooncake", "nixl"):
+        assert got[backend] == {
+            "kvargs": "conn.KVArgs",
+            "manager": "sglang_conn.DSABridgeKVManager",
+            "sender": "sglang_conn.DSABridgeKVSender",
+            "receiver": "sglang_conn.DSABridgeKVReceiver",
+            "bootstrap_server": "sglang_conn.DSABridgeKVBootstrapServer",
+        }, backend
+    assert got["fake"]["sender"] == "conn.FakeKVSender"  # other backends: sglang's
+    assert got["disagg_service_sees_hook"]  # the modules that imported it by name see the hook too
+    # an MLA pool (no DSA state): dsa-bridge's class builds sglang's own Mooncake manager
+    assert got["fallback"] == ["sglang_conn.DSABridgeKVManager", "conn.MooncakeKVManager"]
+    assert "sglang's MooncakeKVManager moves this pool" in got["log"]
+
+
+def test_get_kv_class_is_sglangs_when_the_plugin_is_not_named():
+    got = probe("some_other_plugin")
+    assert got["mooncake"]["manager"] == "conn.MooncakeKVManager"
+    assert got["nixl"]["receiver"] == "conn.NixlKVReceiver"
+
+
+# ---- KVArgs -> dsa-bridge buffers (sglang's own pools and setup_state_kv_args) ---------------------
+
+@pytest.mark.usefixtures("sglang_context")
+@pytest.mark.parametrize("cls", [SGLangPool, BridgeDSATokenToKVPool])
+def test_kv_args_of_sglang_dsa_pools_get_derived_layer_ids_and_their_layout(cls):
+    pool = cls(**DSV32)
+    args = kv_args_of(pool)
+    assert args.kv_layer_ids == [] and args.state_layer_ids == [[]]  # what sglang gives for DSA
+    got = bridge_buffers(args, start_layer=args.prefill_start_layer)
+    assert got.kv_layer_ids == [0, 1, 2, 3]
+    assert got.layout == BridgeDSATokenToKVPool(**DSV32).layout
+    descs = got.buffers.buffer_descriptors()
+    assert [(d.layer_id, d.kind) for d in descs] == [(i, k) for i in range(4) for k in ("kv", "index")]
+    assert [(d.ptr, d.nbytes) for d in descs if d.kind == "index"] == \
+        [(t.data_ptr(), t.nbytes) for t in pool.index_k_with_scale_buffer]
+    assert got.aux == [(4096, 512, 64)]
+
+
+@pytest.mark.usefixtures("sglang_context")
+def test_glm_compact_pool_and_a_pipeline_stage_keep_their_global_layer_ids():
+    compact = kv_args_of(SGLangPool(**GLM, skip_topk_layers=GLM_SKIP))
+    got = bridge_buffers(compact, start_layer=0)
+    assert (got.layout.kv_dtype, got.layout.indexer_layout) == ("fp8_raw", "compact")
+    assert got.layout.index_layer_ids == (0, 1, 2, 6)
+    assert [d.layer_id for d in got.buffers.buffer_descriptors() if d.kind == "index"] == [0, 1, 2, 6]
+    stage = kv_args_of(SGLangPool(**DSV32, start_layer=30))
+    assert bridge_buffers(stage, start_layer=stage.prefill_start_layer).kv_layer_ids == [30, 31, 32, 33]
+
+
+@pytest.mark.usefixtures("sglang_context")
+def test_kv_args_dsa_bridge_cannot_describe_are_refused_by_name():
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    mla = MLATokenToKVPool(size=128, page_size=64, dtype=torch.bfloat16, kv_lora_rank=512,
+                           qk_rope_head_dim=64, layer_num=2, device="cpu", enable_memory_saver=False)
+    assert "state types none are not exactly sglang's DSA indexer state" in dsa_problem(kv_args_of(mla))
+    args = kv_args_of(SGLangPool(**DSV32))
+    args.num_draft_entries = 1
+    with pytest.raises(ValueError, match="draft .MTP. KV entries with pipeline stages"):
+        bridge_buffers(args, start_layer=0, stages=2)
+    args.num_draft_entries = 0
+    args.kv_layer_ids = [0, 1, 2, 5]
+    with pytest.raises(ValueError, match=r"kv_layer_ids \[0, 1, 2, 5\] differ"):
+        bridge_buffers(args, start_layer=0)
+    args.kv_layer_ids = []
+    args.kv_item_lens = [64 * 600] * 4
+    with pytest.raises(ValueError, match="a KV row of 600 bytes"):
+        bridge_buffers(args, start_layer=0)
+
+
+# ---- prefill and decode in two processes -----------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(ranks: list[tuple[str, list[dict]]]) -> list[list[dict]]:
+    """Every rank at once, each its own process (as sglang's schedulers), stepping through its
+    scenarios; every process always stopped."""
+    env = {**os.environ, "SGLANG_PLUGINS": "dsa_bridge", "SGLANG_HOST_IP": "127.0.0.1",
+           "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
+           "MC_LOG_LEVEL": "ERROR"}
+    procs = [(role, subprocess.Popen([sys.executable, "-m", "tests.sglang.pd_rank", role, json.dumps(cfgs)],
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True))
+             for role, cfgs in ranks]
+    results = []
+    try:
+        for role, proc in procs:
+            out, err = proc.communicate(timeout=420)
+            assert proc.returncode == 0, f"{role}:\n{err[-4000:]}"
+            line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
+            results.append(json.loads(line[len("RESULT "):]))
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return results
+
+
+def run_pd(prefill_cfgs: list[dict], decode_cfgs: list[dict]) -> tuple[list[dict], list[dict]]:
+    prefill, decode = run_ranks([("prefill", prefill_cfgs), ("decode", decode_cfgs)])
+    return prefill, decode
+
+
+def config(engine: str, model: dict, **extra) -> dict:
+    return {"engine": engine, "port": free_port(), "room": 2**62 + 12345, "pages": 8, "seed": 7,
+            "src_pages": [3, 1, 4, 5, 6], "dst_pages": [2, 7, 5, 6, 8], "src_aux": 3, "dst_aux": 5,
+            "bootstrap_wait_s": 180, **model, **extra}
+
+
+MODELS = {
+    "deepseek-v3.2": {"layers": 4, "model_layers": 4, "kv_cache_dim": 656},
+    "glm-5.2-uniform": {"layers": 8, "model_layers": 8, "kv_cache_dim": 576},
+    "glm-5.2-compact": {"layers": 8, "model_layers": 8, "kv_cache_dim": 576, "skip": GLM_SKIP},
+}
+
+
+@pytest.fixture(scope="module")
+def transfers():
+    """engine -> {model: (config, prefill result, decode result)}: one process pair per engine
+    runs the three models in turn (sglang's import costs most of a rank's start)."""
+    done = {}
+
+    def run(engine: str) -> dict:
+        if engine not in done:
+            require_engine(engine)
+            cfgs = [config(engine, MODELS[m]) for m in sorted(MODELS)]
+            prefill, decode = run_pd(cfgs, cfgs)
+            done[engine] = {m: (c, p, d) for m, c, p, d in zip(sorted(MODELS), cfgs, prefill, decode,
+                                                                strict=True)}
+        return done[engine]
+
+    return run
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_prefill_to_decode_in_two_processes_byte_exact(transfers, engine, model):
+    cfg, prefill, decode = transfers(engine)[model]
+    assert prefill["manager"] == decode["manager"] == "DSABridgeKVManager"
+    assert (prefill["server"], prefill["sender"], decode["receiver"]) == \
+        ("DSABridgeKVBootstrapServer", "DSABridgeKVSender", "DSABridgeKVReceiver")
+    assert prefill["kv_layer_ids"] == [] and prefill["state_layer_ids"] == [[]]  # sglang named none
+    assert decode["poll"] == prefill["poll"] == 4  # Success on both sides
+    layers = MODELS[model]["layers"]
+    index_layers = [i for i in range(layers) if not (MODELS[model].get("skip") or [False] * layers)[i]]
+    held = [f"kv:{i}" for i in range(layers)] + [f"index:{i}" for i in index_layers]
+    assert decode["buffers"] == sorted(held)
+    assert decode["mismatched"] == [] and decode["others_sentinel"]
+    assert decode["aux_exact"] and decode["aux_others_sentinel"]
+    pages = len(cfg["src_pages"])
+    expected = pages * 64 * (layers * cfg["kv_cache_dim"] + len(index_layers) * 132) + decode["aux_bytes"]
+    assert decode["nbytes"] == prefill["bytes"] == expected
+
+
+REFUSALS = {
+    "compact-prefill-uniform-decode": ({"skip": GLM_SKIP}, "layer 3: decode holds and reads its indexer"),
+    "other-layer-range": ({"start_layer": 2}, "layer sets: prefill holds layer 8, which decode does not"),
+}
+
+
+@pytest.fixture(scope="module")
+def refusals():
+    require_engine("nixl")
+    names = sorted(REFUSALS)
+    decode_cfgs = [config("nixl", MODELS["glm-5.2-uniform"]) for _ in names]
+    prefill_cfgs = [{**cfg, **REFUSALS[name][0]} for cfg, name in zip(decode_cfgs, names, strict=True)]
+    prefill, decode = run_pd(prefill_cfgs, decode_cfgs)
+    return dict(zip(names, zip(prefill, decode, strict=True), strict=True))
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_mismatched_pd_pair_is_refused_before_any_write(refusals, name):
+    prefill, decode = refusals[name]
+    reason = REFUSALS[name][1]
+    assert decode["poll"] == 0 and reason in decode["reason"]
+    assert decode["untouched"]  # decode's pool still at its sentinel: nothing was written
+    assert prefill["poll"] == 1  # prefill never got the request: still Bootstrapping
+    assert len(prefill["refused"]) == 1 and reason in prefill["refused"][0]
+
+
+def test_pipelined_prefill_into_one_decode_stage_byte_exact():
+    """sglang's PP prefill (two stages, each its own process and rank, layers 0-1 and 2-3) into a
+    one-stage decode: each stage writes its layers, the last one the aux slot."""
+    require_engine("nixl")
+    cfg = config("nixl", MODELS["deepseek-v3.2"])
+    stages = [{**cfg, "layers": 2, "start_layer": 2 * r, "pp_size": 2, "pp_rank": r} for r in range(2)]
+    (first,), (second,), (decode,) = run_ranks([("prefill", [stages[0]]), ("prefill", [stages[1]]),
+                                               ("decode", [cfg])])
+    assert (first["layers"], second["layers"]) == ([0, 1], [2, 3])  # derived from prefill_start_layer
+    assert decode["poll"] == first["poll"] == second["poll"] == 4
+    assert decode["stages"] == 2
+    assert decode["mismatched"] == [] and decode["others_sentinel"]
+    assert decode["aux_exact"] and decode["aux_others_sentinel"]
+    page_bytes = 64 * (656 + 132)
+    pages = len(cfg["src_pages"])
+    assert first["bytes"] == pages * page_bytes * 2  # no aux: the stage without the last layer
+    assert second["bytes"] == pages * page_bytes * 2 + decode["aux_bytes"]
+    assert decode["nbytes"] == first["bytes"] + second["bytes"]
+
+
+# ---- decode: what dsa-bridge cannot pair with, refused from the bootstrap's parallel info ----------
+
+def registration(**changes) -> dict:
+    """A prefill rank's ``PUT /route`` payload, as dsa-bridge's manager sends it."""
+    return {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1,
+            "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
+            "rank_ip": "127.0.0.1", "rank_port": 1, "page_size": 64, "kv_cache_dtype": "fp8_e4m3",
+            "kv_layout": "dsa-bridge", "load_balance_method": "follow_bootstrap_room", **changes}
+
+
+def put_route(port: int, payload: dict) -> None:
+    """Register one prefill rank, as a manager does; bounded wait for the server's thread."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            response = requests.put(f"http://127.0.0.1:{port}/route", json=payload, timeout=5)
+            assert response.status_code == 200, response.text
+            return
+        except requests.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"kv_layout": None}, "transfer .kv_layout.: prefill None != decode dsa-bridge"),
+    ({"attn_tp_size": 2}, r"attention TP width \(dsa-bridge pairs rank r with rank r\): prefill 2 != "),
+    ({"page_size": 32}, "page_size: prefill 32 != decode 64"),
+    ({"attn_dp_size": 2, "load_balance_method": "round_robin"},
+     "prefill has 2 DP groups and no follow_bootstrap_room"),
+])
+def test_decode_refuses_a_prefill_it_cannot_pair_with_naming_why(changes, message):
+    port = free_port()
+    server = DSABridgeKVBootstrapServer("127.0.0.1", port)
+    try:
+        for tp in range(changes.get("attn_tp_size", 1)):
+            for dp in range(changes.get("attn_dp_size", 1)):
+                put_route(port, registration(**changes, attn_tp_rank=tp, attn_dp_rank=dp))
+        with published_context(disaggregation_mode="decode", disaggregation_transfer_backend="nixl") as sa:
+            args = kv_args_of(SGLangPool(**DSV32))
+            args.kv_cache_dtype_str = "fp8_e4m3"
+            manager = DSABridgeKVManager(args, DisaggregationMode.DECODE, sa, True)
+            with pytest.raises(RuntimeError, match=message):
+                manager.try_ensure_parallel_info(f"127.0.0.1:{port}")
+            receiver = DSABridgeKVReceiver(manager, f"127.0.0.1:{port}", 77)
+            receiver.init(0)
+            assert receiver.poll() == 0  # Failed, with the reason sglang's queue logs
+            with pytest.raises(RuntimeError, match=message):
+                receiver.failure_exception()
+            assert manager.decode_nodes == {}  # no node, no engine, nothing registered with a peer
+    finally:
+        server.close()

@@ -141,7 +141,7 @@ def run_prefill(cfg: dict, server_args) -> dict:
     except TimeoutError:
         pass
     if sender.poll() == KVPoll.Bootstrapping:
-        result.update(poll=int(sender.poll()), refused=manager.node.refusals)
+        result.update(poll=int(sender.poll()), refused=list(manager.node.refusals))
         manager.shutdown()
         close(server)
         return result

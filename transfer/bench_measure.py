@@ -12,7 +12,7 @@ over a private ZMQ PAIR socket; every command (a msgpack map) gets one answer:
   (``connect`` of a peer the engine already knows returns the same handle).
 - ``send``: create a sender per room (``init`` + one ``send`` of all its pages), as a prefill
   that has finished computing does; each chunk waits for decode's page ids, then goes straight
-  to the node's writer thread. ``checksums`` switches the node's page checksums on or off for
+  to the node's writer. ``checksums`` switches the node's page checksums on or off for
   these requests; the answer carries the node's checksum seconds so far.
 - ``stats``: the node's checksum seconds so far (after the requests: their difference is what
   prefill spent checksumming them), and its control thread's longest interval between two

@@ -210,7 +210,8 @@ class Writer:
             return
         plans = [plan for _, plan, _ in planned]
         src, dst, length = join_plans(plans)
-        self.batches += 1
+        with self._lock:
+            self.batches += 1
         try:
             started = time.perf_counter()
             self.backend.write(peer, src, dst, length, timeout_s=self.timeout_s)

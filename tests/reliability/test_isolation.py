@@ -30,26 +30,29 @@ CATEGORY = "faults injected"
 LO = loopback_hosts(1)[0]
 NODE = ("--pool-tokens", str(64 * 48), "--request-timeout", "120", "--max-tokens", "256")
 WRITE_TIMEOUT_S = 3.0
-BEFORE = 60  # requests done before the freeze (the healthy node's first 5 are not counted)
-HEALTHY_REQUESTS = 400
+BEFORE = 40  # the healthy node's writes before the freeze (its first 5 requests are not counted)
+HEALTHY_REQUESTS = 600
 WINDOW_S = 2 * WRITE_TIMEOUT_S + 2.0  # after the freeze: writes into the frozen node time out
 MIN_SAMPLES = 20
 
 
-class FreezeSecondPeer(FaultyBackend):
-    """Once ``armed``, freezes (SIGSTOP) ``pid`` right before the next write into an engine peer
-    other than the first one written to (the healthy decode node, served first)."""
+class FreezeFirstPeer(FaultyBackend):
+    """Once ``armed``, freezes (SIGSTOP) ``pid`` right before the next write into the first
+    engine peer written to (the victim, served first); counts the writes into the others."""
 
     def __init__(self, inner):
         super().__init__(inner)
         self.pid = 0
         self.first_peer = ""
+        self.other_writes = 0
         self.armed = threading.Event()
         self.frozen_at = 0.0
 
     def write(self, peer, src, dst, length, *, timeout_s):
         self.first_peer = self.first_peer or peer
-        if peer != self.first_peer and self.armed.is_set() and not self.frozen_at:
+        if peer != self.first_peer:
+            self.other_writes += 1
+        elif self.armed.is_set() and not self.frozen_at:
             os.kill(self.pid, signal.SIGSTOP)
             self.frozen_at = time.monotonic()
         super().write(peer, src, dst, length, timeout_s=timeout_s)
@@ -69,22 +72,22 @@ def test_a_frozen_decode_delays_only_its_own_requests(backend, tls, procs, ledge
     model = tmp_path / "config.json"
     model.write_text(json.dumps(SMALL))
     node_options = ("--model", str(model), *NODE)
-    engine = FreezeSecondPeer(create_backend(backend))
+    engine = FreezeFirstPeer(create_backend(backend))
     stop = threading.Event()
     with PrefillNode(make_pool(DSALayout.from_hf_config(SMALL)), engine,
                      write_timeout_s=WRITE_TIMEOUT_S, peer_timeout_s=60.0) as node:
         thread = threading.Thread(target=serve_prefill, args=(node, stop), daemon=True)
         thread.start()
         try:
-            healthy = decode(procs, LO, backend, node.endpoint, *node_options, "--requests",
-                             str(HEALTHY_REQUESTS), "--concurrency", "4", name="healthy")
-            wait_until(lambda: node.counters.snapshot()["requests_ok"] >= 1, 90,
-                       "the healthy decode node's first request")
-            victim = decode(procs, LO, backend, node.endpoint, *node_options, "--requests", "400",
+            victim = decode(procs, LO, backend, node.endpoint, *node_options, "--requests", "5000",
                             "--concurrency", "4", name="victim")
             engine.pid = victim.pid
-            wait_until(lambda: node.counters.snapshot()["requests_ok"] >= BEFORE + 3, 90,
-                       "requests of both decode nodes before the freeze")
+            wait_until(lambda: node.counters.snapshot()["requests_ok"] >= 1, 90,
+                       "the victim's first request")
+            healthy = decode(procs, LO, backend, node.endpoint, *node_options, "--requests",
+                             str(HEALTHY_REQUESTS), "--concurrency", "4", name="healthy")
+            wait_until(lambda: engine.other_writes >= BEFORE, 120,
+                       "the healthy decode node's requests before the freeze")
             engine.armed.set()
             wait_until(lambda: engine.frozen_at, 30, "the victim frozen under a write")
             time.sleep(max(0.0, engine.frozen_at + WINDOW_S - time.monotonic()))

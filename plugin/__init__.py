@@ -3,7 +3,8 @@
 Reading order: ``layout`` (geometry, byte math, layout hash, presets) -> ``sizing`` (bytes per
 token, capacity, allocation) -> ``descriptors`` (registered buffers and their validation) ->
 ``pool`` (the SGLang-compatible ``DSATokenToKVPool``, uniform or compact; ``workers`` shares
-its CPU copies among threads).
+its CPU copies among threads). The pool (and torch) is imported on first use, so the engines and
+the planner can use the descriptors without it.
 """
 
 from __future__ import annotations
@@ -26,13 +27,23 @@ from .layout import (
     load_model_config,
     skip_topk_layer_ids,
 )
-from .pool import CpuCopy, DSATokenToKVPool
 from .sizing import (
     allocation_bytes,
     bytes_per_token,
     index_sharing_report,
     pool_capacity_tokens,
 )
+
+_POOL_NAMES = ("CpuCopy", "DSATokenToKVPool")
+
+
+def __getattr__(name: str):
+    if name in _POOL_NAMES:
+        from . import pool
+
+        return getattr(pool, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CACHE_KINDS",

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
+
+import msgspec
 
 from .layout import DSALayout
 
@@ -26,18 +27,24 @@ log = logging.getLogger(__name__)
 CacheKind = Literal["kv", "index"]
 CACHE_KINDS: tuple[str, ...] = ("kv", "index")
 ADDRESS_LIMIT = 2**63  # no real buffer ends there; engines take addresses as int64
+MAX_KIND_CHARS = 8  # "kv", "index", "aux", "raw"
+MAX_DEVICE_CHARS = 16  # "cpu", "cuda:15"
 
 
-@dataclass(frozen=True)
-class BufferDescriptor:
-    """One registered buffer of one layer: ``kind`` "kv" (MLA pages) or "index" (indexer pages)."""
+class BufferDescriptor(msgspec.Struct, frozen=True, array_like=True):
+    """One registered region, the one type the pool publishes, the engines register, the
+    handshake sends and the planner addresses: a buffer of one layer, ``kind`` "kv" (MLA pages)
+    or "index" (indexer pages), page ``p`` at ``ptr + p * item_len``; an aux buffer (``kind``
+    "aux", ``layer_id`` its position, one request slot per item); or, from ``raw_region``, raw
+    memory registered with an engine outside any pool (``kind`` "raw"). ``kind`` and ``device``
+    are bounded so that a peer's list decodes within a known size."""
 
     layer_id: int
-    kind: str
+    kind: Annotated[str, msgspec.Meta(max_length=MAX_KIND_CHARS)]
     ptr: int
     nbytes: int
     item_len: int
-    device: str
+    device: Annotated[str, msgspec.Meta(max_length=MAX_DEVICE_CHARS)] = "cpu"
 
     @property
     def num_items(self) -> int:
@@ -49,6 +56,11 @@ class BufferDescriptor:
 
     def name(self) -> str:
         return f"layer {self.layer_id} {self.kind}"
+
+
+def raw_region(ptr: int, nbytes: int, device: str = "cpu") -> BufferDescriptor:
+    """Raw memory to register with an engine, outside any pool (one item of ``nbytes``)."""
+    return BufferDescriptor(-1, "raw", ptr, nbytes, max(nbytes, 1), device)
 
 
 def page_bytes(layout: DSALayout, kind: str) -> int:

@@ -56,13 +56,13 @@ import torch
 import zmq
 
 from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
+from dsa_bridge.plugin.descriptors import BufferDescriptor
 from dsa_bridge.transfer.allocator import PageAllocator
 from dsa_bridge.transfer.backends import create_backend
 from dsa_bridge.transfer.decode import DecodeNode, KVReceiver
-from dsa_bridge.transfer.handshake import buffer_infos, pair_with_peer, transfer_set
-from dsa_bridge.transfer.plan import Buffer, pair_buffers, plan_writes
+from dsa_bridge.transfer.handshake import pair_with_peer, transfer_set
+from dsa_bridge.transfer.plan import pair_buffers, plan_writes
 from dsa_bridge.transfer.prefill import PrefillNode
-from dsa_bridge.transfer.protocol import BufferInfo
 from dsa_bridge.transfer.request import TERMINAL, KVPoll
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ class _PrefillServer:
 
     def set_peer(self, metadata: bytes, buffers: list) -> dict:
         """The pairs the node itself made for the decode node (same geometry on both sides)."""
-        infos, layout = [BufferInfo(*b) for b in buffers], self.node.layout
+        infos, layout = [BufferDescriptor(*b) for b in buffers], self.node.layout
         keys = transfer_set(layout, layout, layout.index_layer_ids)
         self.pairs = pair_with_peer(layout, self.node.buffers, infos, keys)
         self.peer = self.node.backend.connect(metadata)
@@ -335,7 +335,7 @@ class TransferSession:
                                    reply["endpoint"], request_timeout_s=COMMAND_TIMEOUT_S)
             child.call("peer", metadata=self.node.backend.metadata(),
                        buffers=[list(msgspec.structs.astuple(b))
-                                for b in buffer_infos(self.node.buffers)])
+                                for b in self.node.buffers])
         except BaseException:
             self.close()
             raise
@@ -574,13 +574,13 @@ def measure_geometry(child: PrefillChild, backend: str, geometry: Geometry, poin
         trim_heap()
 
 
-def hand_built_buffers(layout: DSALayout, pages: int, base: int) -> list[Buffer]:
+def hand_built_buffers(layout: DSALayout, pages: int, base: int) -> list[BufferDescriptor]:
     """Buffers of ``pages`` pages (plus padding) at made-up addresses: the planner only does math."""
     buffers, ptr = [], base
     for layer in layout.layer_ids:
         for kind, item_len in (("kv", layout.kv_page_bytes), ("index", layout.index_page_bytes)):
             nbytes = (pages + 1) * item_len
-            buffers.append(Buffer(layer, kind, ptr, nbytes, item_len))
+            buffers.append(BufferDescriptor(layer, kind, ptr, nbytes, item_len))
             ptr += nbytes + 4096
     return buffers
 

@@ -35,7 +35,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dsa_bridge.plugin.layout import DSALayout
 from dsa_bridge.transfer import auth, checksum, limits, protocol
-from dsa_bridge.transfer.backends.base import MemoryRegion, TransferBackend
+from dsa_bridge.transfer.backends.base import TransferBackend
 from dsa_bridge.transfer.control import ControlLoop, limit_receive, parse_endpoint, zmq_address
 from dsa_bridge.transfer.counters import Counters
 from dsa_bridge.transfer.handshake import (
@@ -185,8 +185,7 @@ class DecodeNode:
         self.aux_buffers = as_aux_buffers(aux_buffers)  # (ptr, nbytes, item_len): host memory
         self._page_limit = min(b.num_items for b in self.buffers)
         self._items = {(b.layer_id, b.kind): b.item_len for b in self.buffers}
-        backend.register([MemoryRegion(d.ptr, d.nbytes, d.device) for d in pool.buffer_descriptors()]
-                         + [MemoryRegion(b.ptr, b.nbytes, "cpu") for b in self.aux_buffers])
+        backend.register(self.buffers + self.aux_buffers)
         endpoints = [prefill] if isinstance(prefill, str) else list(prefill)
         try:
             self._engine_metadata = backend.metadata()
@@ -264,7 +263,7 @@ class DecodeNode:
             self.layout.layout_hash(), self._engine_metadata, buffer_infos(self.buffers),
             list(self.index_reads), nonce=os.urandom(16), sent_at=time.time(),
             session=self.session, epoch=epoch,
-            aux_buffers=[protocol.AuxInfo(b.ptr, b.nbytes, b.item_len) for b in self.aux_buffers])
+            aux_buffers=self.aux_buffers)
         if self.secret:
             hello = msgspec.structs.replace(
                 hello, auth=auth.sign(self.secret, protocol.signed_bytes(hello)))

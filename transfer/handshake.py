@@ -24,10 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import msgspec
+
 from dsa_bridge.plugin.descriptors import BufferDescriptor, validate_descriptors
 from dsa_bridge.plugin.layout import DSALayout
-from dsa_bridge.transfer.plan import Buffer, BufferPair, PlanError, pair_buffers
-from dsa_bridge.transfer.protocol import MAX_BUFFERS, MAX_LAYERS, PROTOCOL_VERSION, BufferInfo
+from dsa_bridge.transfer.plan import BufferPair, PlanError, pair_buffers
+from dsa_bridge.transfer.protocol import MAX_BUFFERS, MAX_LAYERS, PROTOCOL_VERSION
 
 BufferKey = tuple[int, str]  # (global layer id, cache kind)
 
@@ -36,17 +38,17 @@ class HandshakeError(RuntimeError):
     """The peer cannot be paired with this node; the message names the first difference."""
 
 
-def pool_buffers(pool) -> list[Buffer]:
-    """The pool's validated descriptors (every buffer it holds) as planner buffers."""
-    return [Buffer(d.layer_id, d.kind, d.ptr, d.nbytes, d.item_len) for d in pool.buffer_descriptors()]
+def pool_buffers(pool) -> list[BufferDescriptor]:
+    """The pool's validated descriptors: every buffer it holds, registered, announced, planned."""
+    return list(pool.buffer_descriptors())
 
 
-def buffer_infos(buffers: list[Buffer]) -> list[BufferInfo]:
+def buffer_infos(buffers: list[BufferDescriptor]) -> list[BufferDescriptor]:
     """Our buffers as a Hello announces them; HandshakeError if the protocol cannot carry them."""
     if len(buffers) > MAX_BUFFERS:
         raise HandshakeError(f"buffers: this node holds {len(buffers)}, more than the "
                              f"{MAX_BUFFERS} a Hello carries")
-    return [BufferInfo(b.layer_id, b.kind, b.ptr, b.nbytes, b.item_len) for b in buffers]
+    return list(buffers)
 
 
 def check_layer_counts(peer_layout: object) -> None:
@@ -129,7 +131,7 @@ def check_stages(decode: DSALayout, stages: Sequence[tuple[str, DSALayout]]) -> 
         raise ValueError(f"layer {missing[0]}: none of the request's prefill nodes ({names}) holds it")
 
 
-def pair_with_peer(peer_layout: DSALayout, local: list[Buffer], peer: list[BufferInfo],
+def pair_with_peer(peer_layout: DSALayout, local: list[BufferDescriptor], peer: list[BufferDescriptor],
                    keys: Sequence[BufferKey]) -> list[BufferPair]:
     """Validate the peer's announced buffers against its layout and pair the ``keys`` buffers
     with ours by global layer id; the pairs are the only addresses writes may ever target. The
@@ -138,12 +140,8 @@ def pair_with_peer(peer_layout: DSALayout, local: list[Buffer], peer: list[Buffe
     if len(peer) != expected:
         raise HandshakeError(f"peer buffers: {len(peer)} announced, but its layout holds {expected} "
                              f"({peer_layout.num_layers} KV, {len(peer_layout.index_layer_ids)} indexer)")
-    announced = [Buffer(b.layer_id, b.kind, b.ptr, b.nbytes, b.item_len) for b in peer]
-    try:
-        validate_descriptors(
-            [BufferDescriptor(b.layer_id, b.kind, b.ptr, b.nbytes, b.item_len, "peer") for b in announced],
-            peer_layout,
-        )
-        return pair_buffers(local, announced, keys)
+    try:  # one address space: the device names a peer gives cannot separate overlapping buffers
+        validate_descriptors([msgspec.structs.replace(b, device="peer") for b in peer], peer_layout)
+        return pair_buffers(local, list(peer), keys)
     except (ValueError, PlanError) as exc:
         raise HandshakeError(f"peer buffers: {exc}") from exc

@@ -23,9 +23,10 @@ from collections.abc import Sequence
 
 import msgspec
 
+from dsa_bridge.plugin.descriptors import MAX_DEVICE_CHARS
 from dsa_bridge.plugin.layout import DSALayout
 from dsa_bridge.transfer import checksum, protocol
-from dsa_bridge.transfer.plan import Buffer
+from dsa_bridge.transfer.plan import BufferDescriptor
 from dsa_bridge.transfer.protocol import (
     MAX_AUX_BUFFERS,
     MAX_BUFFERS,
@@ -42,8 +43,9 @@ INT_BYTES = 9  # the most a msgpack integer (or float) takes
 HEADER_BYTES = 5  # the most a msgpack str, bin or array header takes
 LARGEST = 2**63 - 1  # an int that encodes to INT_BYTES
 KIND_BYTES = 1 + protocol.MAX_KIND_CHARS  # a cache kind: "kv" or "index", ASCII
-BUFFER_INFO_BYTES = 1 + 4 * INT_BYTES + KIND_BYTES  # [layer_id, kind, ptr, nbytes, item_len]
-AUX_INFO_BYTES = 1 + 3 * INT_BYTES  # [ptr, nbytes, item_len]
+DEVICE_BYTES = 1 + MAX_DEVICE_CHARS  # "cpu", "cuda:N", ASCII
+# a BufferDescriptor: [layer_id, kind, ptr, nbytes, item_len, device] (pool and aux buffers alike)
+BUFFER_INFO_BYTES = 1 + 4 * INT_BYTES + KIND_BYTES + DEVICE_BYTES
 BUFFER_KEY_BYTES = 1 + INT_BYTES + KIND_BYTES  # [layer_id, kind] of a chunk's checksums
 
 
@@ -71,7 +73,7 @@ def hello_bytes(layout: DSALayout, backend: str) -> int:
     return (len(protocol.encode(fixed)) + _text(MAX_NAME_CHARS) + layout_bytes(layout)
             + _blob(MAX_ENGINE_METADATA_BYTES) + HEADER_BYTES + MAX_BUFFERS * BUFFER_INFO_BYTES
             + _ints(MAX_LAYERS) + 3 * _blob(MAX_TOKEN_BYTES) + INT_BYTES  # nonce, auth, session; epoch
-            + HEADER_BYTES + MAX_AUX_BUFFERS * AUX_INFO_BYTES)
+            + HEADER_BYTES + MAX_AUX_BUFFERS * BUFFER_INFO_BYTES)
 
 
 def request_pages_bytes(pages: int) -> int:
@@ -101,18 +103,18 @@ def chunk_done_bytes(pages: int, buffers: int) -> int:
             + HEADER_BYTES + buffers * BUFFER_KEY_BYTES + _blob(sums))
 
 
-def _pages(buffers: Sequence[Buffer]) -> int:
+def _pages(buffers: Sequence[BufferDescriptor]) -> int:
     return max(b.num_items for b in buffers)
 
 
-def prefill_receive_bytes(layout: DSALayout, backend: str, buffers: Sequence[Buffer]) -> int:
+def prefill_receive_bytes(layout: DSALayout, backend: str, buffers: Sequence[BufferDescriptor]) -> int:
     """The receive limit of a prefill node with ``layout`` and its own ``buffers``."""
     largest = max(hello_bytes(layout, backend), request_pages_bytes(_pages(buffers)), abort_bytes(),
                   heartbeat_bytes())
     return min(largest, protocol.MAX_MESSAGE_BYTES)
 
 
-def decode_receive_bytes(layout: DSALayout, buffers: Sequence[Buffer]) -> int:
+def decode_receive_bytes(layout: DSALayout, buffers: Sequence[BufferDescriptor]) -> int:
     """The receive limit of a decode node with ``layout`` and its own ``buffers``."""
     largest = max(hello_ack_bytes(layout), chunk_done_bytes(_pages(buffers), len(buffers)),
                   heartbeat_bytes())

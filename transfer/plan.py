@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsa_bridge.plugin.descriptors import BufferDescriptor
+
 CACHE_KINDS = ("kv", "index")
 PADDING_PAGE = 0
 
@@ -25,26 +27,11 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
-class Buffer:
-    """One registered buffer of one side: a (layer, cache kind) region addressed by page."""
-
-    layer_id: int
-    kind: str
-    ptr: int
-    nbytes: int
-    item_len: int
-
-    @property
-    def num_items(self) -> int:
-        return self.nbytes // self.item_len
-
-
-@dataclass(frozen=True)
 class BufferPair:
     """A local (source) buffer and the peer's (destination) buffer of the same layer and kind."""
 
-    src: Buffer
-    dst: Buffer
+    src: BufferDescriptor
+    dst: BufferDescriptor
 
 
 @dataclass(frozen=True)
@@ -71,7 +58,7 @@ def _order(key: tuple[int, str]) -> tuple[int, int]:
     return layer_id, CACHE_KINDS.index(kind) if kind in CACHE_KINDS else len(CACHE_KINDS)
 
 
-def pair_buffers(local: Sequence[Buffer], remote: Sequence[Buffer],
+def pair_buffers(local: Sequence[BufferDescriptor], remote: Sequence[BufferDescriptor],
                  keys: Iterable[tuple[int, str]] | None = None) -> list[BufferPair]:
     """Pair the ``keys`` buffers (global layer id, kind) of both sides, never by position;
     ``None``: every local buffer, and the peer must hold exactly the same set. Item lengths must
@@ -183,7 +170,7 @@ def plan_writes(pairs: Sequence[BufferPair], src_pages: object, dst_pages: objec
 AUX_KIND = "aux"
 
 
-def as_aux_buffers(infos: Iterable[tuple[int, int, int]]) -> list[Buffer]:
+def as_aux_buffers(infos: Iterable[tuple[int, int, int]]) -> list[BufferDescriptor]:
     """Aux buffers from ``(ptr, nbytes, item_len)`` triples, numbered by position (they carry no
     layer id: SGLang's metadata buffers are one list, in the same order on both sides); an
     empty, null or ragged one is refused."""
@@ -194,11 +181,11 @@ def as_aux_buffers(infos: Iterable[tuple[int, int, int]]) -> list[Buffer]:
                 raise PlanError(f"aux buffer {i}: {label} must be a positive int, got {value!r}")
         if nbytes % item_len:
             raise PlanError(f"aux buffer {i}: nbytes {nbytes} is not a multiple of item_len {item_len}")
-        out.append(Buffer(i, AUX_KIND, ptr, nbytes, item_len))
+        out.append(BufferDescriptor(i, AUX_KIND, ptr, nbytes, item_len))
     return out
 
 
-def pair_aux(local: Sequence[Buffer], remote: Sequence[Buffer]) -> list[BufferPair]:
+def pair_aux(local: Sequence[BufferDescriptor], remote: Sequence[BufferDescriptor]) -> list[BufferPair]:
     """Pair aux buffers by position: the same count on both sides and equal item lengths."""
     if len(local) != len(remote):
         raise PlanError(f"aux buffers: this side holds {len(local)}, the peer {len(remote)}")
@@ -214,7 +201,7 @@ def pair_aux(local: Sequence[Buffer], remote: Sequence[Buffer]) -> list[BufferPa
     return pairs
 
 
-def check_aux_index(buffers: Sequence[Buffer], index: int | None, name: str) -> int | None:
+def check_aux_index(buffers: Sequence[BufferDescriptor], index: int | None, name: str) -> int | None:
     """``index`` (None or -1: no slot) checked against every aux buffer: a slot in all of them."""
     if index is None or index == -1:
         return None

@@ -26,8 +26,9 @@ import msgspec
 import numpy as np
 import zmq
 
+from dsa_bridge.plugin.descriptors import BufferDescriptor
 from dsa_bridge.transfer import auth, checksum, limits, protocol
-from dsa_bridge.transfer.backends.base import BackendError, MemoryRegion, TransferBackend
+from dsa_bridge.transfer.backends.base import BackendError, TransferBackend
 from dsa_bridge.transfer.control import ControlLoop, limit_receive, parse_endpoint, zmq_address
 from dsa_bridge.transfer.counters import Counters
 from dsa_bridge.transfer.handshake import (
@@ -40,7 +41,6 @@ from dsa_bridge.transfer.handshake import (
 )
 from dsa_bridge.transfer.plan import (
     AUX_KIND,
-    Buffer,
     BufferPair,
     PlanError,
     as_aux_buffers,
@@ -174,8 +174,7 @@ class PrefillNode:
         self.incoming: queue.Queue[IncomingRoom] = queue.Queue()
         self.buffers = pool_buffers(pool)
         self.aux_buffers = as_aux_buffers(aux_buffers)  # (ptr, nbytes, item_len): host memory
-        self.backend.register([MemoryRegion(d.ptr, d.nbytes, d.device) for d in pool.buffer_descriptors()]
-                              + [MemoryRegion(b.ptr, b.nbytes, "cpu") for b in self.aux_buffers])
+        self.backend.register(self.buffers + self.aux_buffers)
 
         self._lock = threading.RLock()
         self._peers: dict[bytes, DecodePeer] = {}
@@ -430,7 +429,8 @@ class PrefillNode:
             self._loop.send(self._socket, self._sign(ack, fence.hello), fence.identity)
 
     def _pair_aux(self, hello: protocol.Hello) -> list[BufferPair]:
-        remote = [Buffer(i, AUX_KIND, a.ptr, a.nbytes, a.item_len) for i, a in enumerate(hello.aux_buffers)]
+        remote = [BufferDescriptor(i, AUX_KIND, a.ptr, a.nbytes, a.item_len)  # numbered here
+                  for i, a in enumerate(hello.aux_buffers)]
         try:
             return pair_aux(self.aux_buffers, remote)
         except PlanError as exc:

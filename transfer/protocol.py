@@ -18,6 +18,8 @@ from typing import Annotated
 
 import msgspec
 
+from dsa_bridge.plugin.descriptors import MAX_KIND_CHARS, BufferDescriptor
+
 # 1: first version (layout + buffers handshake, per-chunk completion, abort, heartbeat).
 # 2: layer sets: layouts carry index_layer_ids; Hello carries the indexer layers decode reads.
 # 3: sessions: Hello carries decode's session id and epoch (a re-handshake after decode marked the
@@ -40,7 +42,6 @@ MAX_TOKEN_BYTES = 64  # nonces, signatures
 HASH_CHARS = 64  # sha256 hex
 MAX_ROOMS = 4096  # rooms named in one HelloAck (those of a dropped session whose failed write may land)
 MAX_AUX_BUFFERS = 64  # SGLang's metadata buffers: about ten
-MAX_KIND_CHARS = 8  # a cache kind: "kv", "index"
 
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
@@ -53,22 +54,6 @@ class ProtocolError(ValueError):
     """A message that cannot be decoded or that breaks the protocol."""
 
 
-class BufferInfo(msgspec.Struct, frozen=True, array_like=True):
-    layer_id: int
-    kind: Kind
-    ptr: int
-    nbytes: int
-    item_len: int
-
-
-class AuxInfo(msgspec.Struct, frozen=True, array_like=True):
-    """One aux buffer (one slot per request, ``item_len`` bytes each), paired by position."""
-
-    ptr: int
-    nbytes: int
-    item_len: int
-
-
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
     version: int
     node: Name
@@ -76,14 +61,14 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     layout: dict
     layout_hash: Hash
     engine_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_ENGINE_METADATA_BYTES)]
-    buffers: Annotated[list[BufferInfo], msgspec.Meta(max_length=MAX_BUFFERS)]
+    buffers: Annotated[list[BufferDescriptor], msgspec.Meta(max_length=MAX_BUFFERS)]
     index_reads: Annotated[list[int], msgspec.Meta(max_length=MAX_LAYERS)]
     nonce: Token = b""
     sent_at: float = 0.0
     auth: Token = b""
     session: Token = b""  # one per decode node: a later Hello of the same session replaces it
     epoch: int = 0  # counts decode's handshakes of this session with this prefill node
-    aux_buffers: Annotated[list[AuxInfo], msgspec.Meta(max_length=MAX_AUX_BUFFERS)] = []
+    aux_buffers: Annotated[list[BufferDescriptor], msgspec.Meta(max_length=MAX_AUX_BUFFERS)] = []
 
 
 class HelloAck(msgspec.Struct, frozen=True, tag="hello_ack"):

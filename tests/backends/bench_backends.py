@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dsa_bridge.plugin.descriptors import raw_region
 from dsa_bridge.transfer.backends import BACKENDS, create_backend
-from dsa_bridge.transfer.backends.base import MemoryRegion
 
 from .helpers import INDEXER_PAGE, KV_PAGE, Local, dsa_runs
 from .peer import Peer, start_peer
@@ -59,7 +59,7 @@ def bench_backend(name: str, repeat: int) -> None:
     backend = create_backend(name)
     try:
         source = np.random.default_rng(1).integers(0, 256, BYTES, dtype=np.uint8)
-        backend.register([MemoryRegion(source.ctypes.data, source.nbytes)])
+        backend.register([raw_region(source.ctypes.data, source.nbytes)])
         local = Local(backend, source)
         handle = backend.connect(peer.metadata)
         print(f"{name}: transport {backend.transport()}")

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from dsa_bridge.plugin.descriptors import raw_region
 from dsa_bridge.transfer.backends import BACKENDS, create_backend
-from dsa_bridge.transfer.backends.base import MemoryRegion
 
 from ..conftest import require_engine
 from .helpers import Local
@@ -40,7 +40,7 @@ def peer(backend_name: str) -> Iterator[Peer]:
 def local(backend_name: str) -> Iterator[Local]:
     backend = create_backend(backend_name)
     source = np.random.default_rng(7).integers(0, 256, SOURCE_BYTES, dtype=np.uint8)
-    backend.register([MemoryRegion(source.ctypes.data, source.nbytes, "cpu")])
+    backend.register([raw_region(source.ctypes.data, source.nbytes, "cpu")])
     yield Local(backend, source)
     backend.close()
 

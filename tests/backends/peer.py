@@ -26,13 +26,13 @@ def serve(
     os.environ.update(env)
     import torch
 
+    from dsa_bridge.plugin.descriptors import raw_region
     from dsa_bridge.transfer.backends import create_backend
-    from dsa_bridge.transfer.backends.base import MemoryRegion
 
     try:
         engine = create_backend(backend, host=host)
         buf = torch.full((nbytes,), SENTINEL, dtype=torch.uint8)
-        engine.register([MemoryRegion(buf.data_ptr(), nbytes, "cpu")])
+        engine.register([raw_region(buf.data_ptr(), nbytes, "cpu")])
     except Exception as exc:
         conn.send(("error", repr(exc), 0, 0))
         return

@@ -8,15 +8,16 @@ import os
 import numpy as np
 import pytest
 
+from dsa_bridge.plugin.descriptors import BufferDescriptor, raw_region
 from dsa_bridge.transfer.backends import RegionTable, check_write_args, env_defaults
-from dsa_bridge.transfer.backends.base import BackendError, MemoryRegion
+from dsa_bridge.transfer.backends.base import BackendError
 from dsa_bridge.transfer.backends.mooncake import startup_log
 from dsa_bridge.transfer.backends.nixl import _xfer_lists
 
 U64 = np.uint64
 
 
-def table(*regions: MemoryRegion) -> RegionTable:
+def table(*regions: BufferDescriptor) -> RegionTable:
     result = RegionTable("test")
     result.check_new(list(regions))
     result.add(list(regions))
@@ -26,21 +27,21 @@ def table(*regions: MemoryRegion) -> RegionTable:
 def test_many_regions_are_checked_in_one_sweep_and_an_overlap_anywhere_is_named() -> None:
     """A peer's metadata may list tens of thousands of regions (NIXL): the check sorts once, and
     still finds the one overlap, or duplicate, wherever the peer put it."""
-    regions = [MemoryRegion(0x10000 * (i + 1), 0x1000) for i in range(20_000)][::-1]
+    regions = [raw_region(0x10000 * (i + 1), 0x1000) for i in range(20_000)][::-1]
     big = table(*regions)
     assert len(big.regions) == 20_000
-    straddling = MemoryRegion(0x10000 * 7777 + 0xF00, 0x200)  # reaches into the next region
+    straddling = raw_region(0x10000 * 7777 + 0xF00, 0x200)  # reaches into the next region
     with pytest.raises(BackendError, match="overlaps given"):
         RegionTable("test").check_new([*regions[:9000], straddling, *regions[9000:]])
     with pytest.raises(BackendError, match=r"duplicates registered"):
-        big.check_new([MemoryRegion(0x10000 * 123, 0x1000)])
+        big.check_new([raw_region(0x10000 * 123, 0x1000)])
     with pytest.raises(BackendError, match=r"overlaps registered"):
-        big.check_new([MemoryRegion(0x10000 * 123 + 0x800, 0x10)])
-    big.check_new([MemoryRegion(0x10000 * 123 + 0x1000, 0x10)])  # just past a region: fine
+        big.check_new([raw_region(0x10000 * 123 + 0x800, 0x10)])
+    big.check_new([raw_region(0x10000 * 123 + 0x1000, 0x10)])  # just past a region: fine
 
 
 def test_locate_finds_the_region_of_each_range_and_refuses_the_rest() -> None:
-    regions = table(MemoryRegion(0x2000, 0x1000, "cuda:3"), MemoryRegion(0x1000, 0x1000))
+    regions = table(raw_region(0x2000, 0x1000, "cuda:3"), raw_region(0x1000, 0x1000))
     slots = regions.locate("src", np.array([0x1000, 0x2FF0], U64), np.array([0x1000, 0x10], U64))
     assert regions.on_cuda[slots].tolist() == [False, True]
     assert regions.device_ids[slots].tolist() == [0, 3]
@@ -50,8 +51,8 @@ def test_locate_finds_the_region_of_each_range_and_refuses_the_rest() -> None:
 
 
 def test_nixl_lists_are_grouped_by_memory_type_with_device_ids() -> None:
-    local = table(MemoryRegion(0x1000, 0x1000))
-    remote = table(MemoryRegion(0x10000, 0x1000, "cuda:1"), MemoryRegion(0x20000, 0x1000))
+    local = table(raw_region(0x1000, 0x1000))
+    remote = table(raw_region(0x10000, 0x1000, "cuda:1"), raw_region(0x20000, 0x1000))
     src = np.array([0x1000, 0x1100, 0x1200], U64)
     dst = np.array([0x10000, 0x20000, 0x10100], U64)
     length = np.array([0x10, 0x20, 0x30], U64)

@@ -8,8 +8,9 @@ import time
 import numpy as np
 import pytest
 
+from dsa_bridge.plugin.descriptors import raw_region
 from dsa_bridge.transfer.backends import create_backend
-from dsa_bridge.transfer.backends.base import BackendError, MemoryRegion, TransferTimeout
+from dsa_bridge.transfer.backends.base import BackendError, TransferTimeout
 
 from .helpers import INDEXER_PAGE, KV_PAGE, Local
 from .peer import start_peer
@@ -66,7 +67,7 @@ def test_nixl_over_ucx_tcp_frozen_peer_times_out(monkeypatch) -> None:
     backend = create_backend("nixl")
     try:
         source = np.ones(KV_PAGE + INDEXER_PAGE, dtype=np.uint8)
-        backend.register([MemoryRegion(source.ctypes.data, source.nbytes)])
+        backend.register([raw_region(source.ctypes.data, source.nbytes)])
         local = Local(backend, source)
         assert "UCX_TLS=tcp" in backend.transport()
         handle = backend.connect(frozen.metadata)

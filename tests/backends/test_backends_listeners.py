@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from dsa_bridge.plugin.descriptors import raw_region
 from dsa_bridge.transfer.backends import create_backend, interface_of
-from dsa_bridge.transfer.backends.base import MemoryRegion
 
 from ..conftest import require_engine
 from .helpers import KV_PAGE
@@ -51,7 +51,7 @@ def served_peer(backend: str, host: str, env: dict[str, str] | None = None
     try:
         local = create_backend(backend, host=host)
         source = np.ones(KV_PAGE, dtype=np.uint8)
-        local.register([MemoryRegion(source.ctypes.data, source.nbytes)])
+        local.register([raw_region(source.ctypes.data, source.nbytes)])
         handle = local.connect(peer.metadata)
         local.write(handle, np.array([source.ctypes.data], U64), np.array([peer.addr], U64),
                     np.array([KV_PAGE], U64), timeout_s=30)

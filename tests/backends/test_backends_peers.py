@@ -12,8 +12,9 @@ import time
 import numpy as np
 import pytest
 
+from dsa_bridge.plugin.descriptors import raw_region
 from dsa_bridge.transfer.backends import create_backend
-from dsa_bridge.transfer.backends.base import BackendError, MemoryRegion, TransferTimeout
+from dsa_bridge.transfer.backends.base import BackendError, TransferTimeout
 
 from ..conftest import require_engine
 from .helpers import KV_PAGE, Local
@@ -140,7 +141,7 @@ def test_mooncake_silent_engine_endpoint_does_not_stall_other_peers(silent_endpo
     backend = create_backend("mooncake")
     try:
         source = np.random.default_rng(3).integers(0, 256, LANE_SPREAD * KV_PAGE, dtype=np.uint8)
-        backend.register([MemoryRegion(source.ctypes.data, source.nbytes)])
+        backend.register([raw_region(source.ctypes.data, source.nbytes)])
         local = Local(backend, source)
         silent = backend.connect(silent_endpoint.encode())
         outcome: list[object] = []

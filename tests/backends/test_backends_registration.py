@@ -7,8 +7,9 @@ import logging
 import numpy as np
 import pytest
 
+from dsa_bridge.plugin.descriptors import BufferDescriptor, raw_region
 from dsa_bridge.transfer.backends import create_backend
-from dsa_bridge.transfer.backends.base import BackendError, MemoryRegion
+from dsa_bridge.transfer.backends.base import BackendError
 
 from .helpers import engine_forbidden
 
@@ -16,23 +17,23 @@ SCRATCH = np.zeros(1 << 20, dtype=np.uint8)
 BASE = SCRATCH.ctypes.data
 
 
-def refused_cases(registered: MemoryRegion) -> dict[str, list[MemoryRegion]]:
+def refused_cases(registered: BufferDescriptor) -> dict[str, list[BufferDescriptor]]:
     return {
-        "zero length": [MemoryRegion(BASE, 0)],
-        "null pointer": [MemoryRegion(0, 4096)],
-        "unknown device": [MemoryRegion(BASE, 4096, "gpu0")],
-        "duplicate in one call": [MemoryRegion(BASE, 4096), MemoryRegion(BASE, 4096)],
-        "overlap in one call": [MemoryRegion(BASE, 4096), MemoryRegion(BASE + 4095, 10)],
+        "zero length": [raw_region(BASE, 0)],
+        "null pointer": [raw_region(0, 4096)],
+        "unknown device": [raw_region(BASE, 4096, "gpu0")],
+        "duplicate in one call": [raw_region(BASE, 4096), raw_region(BASE, 4096)],
+        "overlap in one call": [raw_region(BASE, 4096), raw_region(BASE + 4095, 10)],
         "duplicate of a registered region": [registered],
-        "overlap with a registered region": [MemoryRegion(registered.ptr + 1, 4096)],
-        "good then bad": [MemoryRegion(BASE, 4096), MemoryRegion(BASE + 8192, 0)],
+        "overlap with a registered region": [raw_region(registered.ptr + 1, 4096)],
+        "good then bad": [raw_region(BASE, 4096), raw_region(BASE + 8192, 0)],
         "nothing": [],
     }
 
 
-@pytest.mark.parametrize("case", sorted(refused_cases(MemoryRegion(1, 1))))
+@pytest.mark.parametrize("case", sorted(refused_cases(raw_region(1, 1))))
 def test_refused_before_the_engine(local, case: str) -> None:
-    registered = MemoryRegion(local.base, local.source.nbytes)
+    registered = raw_region(local.base, local.source.nbytes)
     regions = refused_cases(registered)[case]
     with engine_forbidden(local.backend), pytest.raises(BackendError, match="register") as info:
         local.backend.register(regions)
@@ -66,8 +67,8 @@ def test_close_deregisters_everything_once(backend_name: str, caplog) -> None:
     else:
         assert backend.transport().startswith("ucx")
     buffers = [np.zeros(1 << 16, dtype=np.uint8) for _ in range(3)]
-    backend.register([MemoryRegion(b.ctypes.data, b.nbytes) for b in buffers[:2]])
-    backend.register([MemoryRegion(buffers[2].ctypes.data, buffers[2].nbytes)])
+    backend.register([raw_region(b.ctypes.data, b.nbytes) for b in buffers[:2]])
+    backend.register([raw_region(buffers[2].ctypes.data, buffers[2].nbytes)])
     attr = {"mooncake": "_engine", "nixl": "_agent"}[backend_name]
     recorder = Recorder(getattr(backend, attr))
     setattr(backend, attr, recorder)
@@ -79,6 +80,6 @@ def test_close_deregisters_everything_once(backend_name: str, caplog) -> None:
     backend.close()
     assert len(recorder.calls) == calls
     with pytest.raises(BackendError, match="closed"):
-        backend.register([MemoryRegion(buffers[0].ctypes.data, 16)])
+        backend.register([raw_region(buffers[0].ctypes.data, 16)])
     with pytest.raises(BackendError, match="closed"):
         backend.connect(b"127.0.0.1:15000")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 
 from dsa_bridge.plugin import BufferDescriptor, DSALayout, to_three_lists, validate_descriptors
@@ -45,7 +46,7 @@ def test_good_list_passes_and_three_lists():
 
 def replace_at(i: int, **change) -> list[BufferDescriptor]:
     descs = good()
-    descs[i] = dataclasses.replace(descs[i], **change)
+    descs[i] = msgspec.structs.replace(descs[i], **change)
     return descs
 
 
@@ -71,16 +72,16 @@ def test_refused_without_layout(descs, message):
 
 def test_overlap_inside_a_larger_buffer_is_found():
     descs = good()
-    big = dataclasses.replace(descs[0], nbytes=30 * KV_LEN)  # swallows everything after it
+    big = msgspec.structs.replace(descs[0], nbytes=30 * KV_LEN)  # swallows everything after it
     with pytest.raises(ValueError, match="overlaps layer 4 kv"):
         validate_descriptors([big, *descs[1:]])
 
 
 def test_same_address_on_different_devices_is_not_overlap():
     descs = good()
-    moved = [dataclasses.replace(d, device="cuda:0") if d.layer_id == 6 else d for d in descs]
-    moved[4] = dataclasses.replace(moved[4], ptr=descs[0].ptr)
-    moved[5] = dataclasses.replace(moved[5], ptr=descs[1].ptr)
+    moved = [msgspec.structs.replace(d, device="cuda:0") if d.layer_id == 6 else d for d in descs]
+    moved[4] = msgspec.structs.replace(moved[4], ptr=descs[0].ptr)
+    moved[5] = msgspec.structs.replace(moved[5], ptr=descs[1].ptr)
     validate_descriptors(moved, LAYOUT)
 
 
@@ -94,7 +95,7 @@ def test_same_address_on_different_devices_is_not_overlap():
         ),
         (good()[:4], "layer 6: in the layout but has no buffers"),
         (
-            [dataclasses.replace(d, layer_id=7) if d.layer_id == 6 else d for d in good()],
+            [msgspec.structs.replace(d, layer_id=7) if d.layer_id == 6 else d for d in good()],
             "layer 6: in the layout",
         ),
         (
@@ -120,7 +121,7 @@ def test_refused_against_layout(descs, message):
 def test_zero_size_regression_shape_of_the_seed():
     """The reverted change's lists: skip-topk layers with (ptr 0, len 0) indexer buffers."""
     descs = [
-        dataclasses.replace(d, ptr=0, nbytes=0) if d.kind == "index" and d.layer_id == 5 else d
+        msgspec.structs.replace(d, ptr=0, nbytes=0) if d.kind == "index" and d.layer_id == 5 else d
         for d in good()
     ]
     with pytest.raises(ValueError, match="layer 5 index"):

@@ -29,6 +29,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from dsa_bridge.plugin import DSALayout
+from dsa_bridge.plugin.descriptors import BufferDescriptor
 from dsa_bridge.transfer import auth, protocol
 from dsa_bridge.transfer.summary import write_json_atomic
 
@@ -165,13 +166,13 @@ def hellos(args) -> dict:
     sock.connect(f"tcp://{args.endpoint}")
     connected(monitor)
     cut, sizes = [], []
-    many = [protocol.BufferInfo(i, "kv", 2**40 + i * 4096, 4096, 64) for i in range(600_000)]
+    many = [BufferDescriptor(i, "kv", 2**40 + i * 4096, 4096, 64) for i in range(600_000)]
     for _ in range(3):
         data = msgspec.msgpack.encode(hello(args.backend, buffers=many))
         sizes.append(len(data))
         sock.send(data, copy=False)
         cut.append(cut_off_and_back(monitor))
-    beyond = [protocol.BufferInfo(0, "kv", 4096, 4096, 64)] * (protocol.MAX_BUFFERS + 1)
+    beyond = [BufferDescriptor(0, "kv", 4096, 4096, 64)] * (protocol.MAX_BUFFERS + 1)
     for _ in range(3):  # the protocol's own encoder would not make these
         sock.send(msgspec.msgpack.encode(hello(args.backend, buffers=beyond)))
     refusals = []

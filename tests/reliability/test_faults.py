@@ -25,7 +25,7 @@ from dsa_bridge.transfer.backends import BACKENDS, create_backend
 from dsa_bridge.transfer.backends.base import BackendError
 from dsa_bridge.transfer.backends.faulty import DELAY_ENV, EVERY_ENV, FaultyBackend
 from dsa_bridge.transfer.decode import DecodeNode
-from dsa_bridge.transfer.handshake import HandshakeError, buffer_infos, pool_buffers
+from dsa_bridge.transfer.handshake import HandshakeError, pool_buffers
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll
 from dsa_bridge.transfer.roles import (
@@ -193,7 +193,7 @@ def rogue_request(endpoint: str, engine_session: str, room: int, pages: list[int
     returns prefill's ChunkDone report for the room."""
     hello = protocol.Hello(protocol.PROTOCOL_VERSION, "rogue", "mooncake", DEEPSEEK.to_dict(),
                            DEEPSEEK.layout_hash(), engine_session.encode(),
-                           buffer_infos(pool_buffers(make_pool(pages=8))),
+                           pool_buffers(make_pool(pages=8)),
                            list(DEEPSEEK.index_layer_ids))
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)

@@ -25,7 +25,7 @@ import zmq
 from dsa_bridge.transfer import protocol
 from dsa_bridge.transfer.backends import create_backend
 from dsa_bridge.transfer.decode import DecodeNode
-from dsa_bridge.transfer.handshake import buffer_infos, pool_buffers
+from dsa_bridge.transfer.handshake import pool_buffers
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll
 from dsa_bridge.transfer.roles import count_mismatches, fill_request
@@ -45,7 +45,7 @@ SUMMARY = re.compile(r"dropped (\d+) more messages in [\d.]+s, not logged one by
 def hello_for(pool, engine) -> protocol.Hello:
     layout = pool.layout
     return protocol.Hello(protocol.PROTOCOL_VERSION, "fuzzer", engine.name, layout.to_dict(),
-                          layout.layout_hash(), engine.metadata(), buffer_infos(pool_buffers(pool)),
+                          layout.layout_hash(), engine.metadata(), pool_buffers(pool),
                           list(layout.index_layer_ids))
 
 

@@ -12,7 +12,8 @@ import threading
 
 import numpy as np
 
-from dsa_bridge.transfer.backends.base import BackendError, MemoryRegion
+from dsa_bridge.plugin.descriptors import BufferDescriptor
+from dsa_bridge.transfer.backends.base import BackendError
 
 _engines: dict[str, FakeBackend] = {}
 _ids = itertools.count()
@@ -23,7 +24,7 @@ class FakeBackend:
 
     def __init__(self, *, fail_every: int = 0):
         self.id = f"fake-{next(_ids)}"
-        self.regions: list[MemoryRegion] = []
+        self.regions: list[BufferDescriptor] = []
         self.fail_every = fail_every
         self.writes = 0
         self.disconnected: list[str] = []

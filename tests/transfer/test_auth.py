@@ -10,7 +10,7 @@ import zmq
 
 from dsa_bridge.transfer import auth, protocol
 from dsa_bridge.transfer.decode import DecodeNode
-from dsa_bridge.transfer.handshake import HandshakeError, buffer_infos, pool_buffers
+from dsa_bridge.transfer.handshake import HandshakeError, pool_buffers
 from dsa_bridge.transfer.prefill import PrefillNode
 
 from .fake_backend import FakeBackend
@@ -49,7 +49,7 @@ def signed_hello(secret: bytes, **changes) -> protocol.Hello:
     engine = FakeBackend()
     hello = protocol.Hello(protocol.PROTOCOL_VERSION, "replayer", engine.name,
                            pool.layout.to_dict(), pool.layout.layout_hash(), engine.metadata(),
-                           buffer_infos(pool_buffers(pool)), list(pool.layout.index_layer_ids),
+                           pool_buffers(pool), list(pool.layout.index_layer_ids),
                            nonce=b"n" * 16,
                            sent_at=changes.pop("sent_at", time.time()))
     hello = msgspec.structs.replace(hello, **changes)

@@ -10,7 +10,7 @@ import pytest
 from dsa_bridge.plugin import DSALayout
 from dsa_bridge.transfer import checksum, limits, protocol
 from dsa_bridge.transfer.handshake import pool_buffers
-from dsa_bridge.transfer.plan import Buffer
+from dsa_bridge.transfer.plan import BufferDescriptor
 from dsa_bridge.transfer.protocol import (
     MAX_BUFFERS,
     MAX_ENGINE_METADATA_BYTES,
@@ -35,7 +35,7 @@ def largest_layout(layout: DSALayout) -> dict:
 
 
 def largest_hello(layout: DSALayout, backend: str) -> protocol.Hello:
-    buffers = [protocol.BufferInfo(BIG, "index", BIG, BIG, BIG)] * MAX_BUFFERS
+    buffers = [BufferDescriptor(BIG, "index", BIG, BIG, BIG)] * MAX_BUFFERS
     return protocol.Hello(PROTOCOL_VERSION, WIDE * MAX_NAME_CHARS, backend, largest_layout(layout),
                           "f" * 64, b"m" * MAX_ENGINE_METADATA_BYTES, buffers, [BIG] * MAX_LAYERS,
                           nonce=b"n" * MAX_TOKEN_BYTES, sent_at=1e300, auth=b"a" * MAX_TOKEN_BYTES)
@@ -80,19 +80,19 @@ def test_a_node_limit_covers_its_messages_and_stays_far_below_the_attacks():
 
 def test_a_pool_of_many_pages_is_bounded_by_the_protocol():
     huge = pool_buffers(make_pool())
-    big = [Buffer(b.layer_id, b.kind, b.ptr, b.item_len * 10**7, b.item_len) for b in huge]
+    big = [BufferDescriptor(b.layer_id, b.kind, b.ptr, b.item_len * 10**7, b.item_len) for b in huge]
     assert limits.prefill_receive_bytes(DEEPSEEK, "nixl", big) == protocol.MAX_MESSAGE_BYTES
 
 
 @pytest.mark.parametrize(("change", "where"), [
-    ({"buffers": [protocol.BufferInfo(0, "kv", 1, 1, 1)] * (MAX_BUFFERS + 1)}, r"\$.buffers"),
+    ({"buffers": [BufferDescriptor(0, "kv", 1, 1, 1)] * (MAX_BUFFERS + 1)}, r"\$.buffers"),
     ({"index_reads": [0] * (MAX_LAYERS + 1)}, r"\$.index_reads"),
     ({"engine_metadata": b"m" * (MAX_ENGINE_METADATA_BYTES + 1)}, r"\$.engine_metadata"),
     ({"nonce": b"n" * (MAX_TOKEN_BYTES + 1)}, r"\$.nonce"),
     ({"auth": b"a" * (MAX_TOKEN_BYTES + 1)}, r"\$.auth"),
     ({"layout_hash": "f" * 65}, r"\$.layout_hash"),
     ({"backend": "b" * (MAX_NAME_CHARS + 1)}, r"\$.backend"),
-    ({"buffers": [protocol.BufferInfo(0, "k" * 9, 1, 1, 1)]}, r"\$.buffers\[0\]\[1\]"),
+    ({"buffers": [BufferDescriptor(0, "k" * 9, 1, 1, 1)]}, r"\$.buffers\[0\]\[1\]"),
 ])
 def test_fields_beyond_their_bounds_are_refused_by_the_decoder(change, where):
     hello = msgspec.structs.replace(largest_hello(DEEPSEEK, "nixl"), **change)
@@ -102,7 +102,7 @@ def test_fields_beyond_their_bounds_are_refused_by_the_decoder(change, where):
 
 def test_six_hundred_thousand_buffers_are_refused_at_the_count():
     hello = msgspec.structs.replace(largest_hello(DEEPSEEK, "nixl"),
-                                    buffers=[protocol.BufferInfo(1, "kv", 1, 1, 1)] * 600_000)
+                                    buffers=[BufferDescriptor(1, "kv", 1, 1, 1)] * 600_000)
     data = msgspec.msgpack.encode(hello)
     assert len(data) > 4_000_000
     with pytest.raises(ProtocolError, match=f"Expected `array` of length <= {MAX_BUFFERS}"):

@@ -3,6 +3,7 @@ naming the field, and the counts before any per-buffer work."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from dsa_bridge.plugin import DSALayout, descriptors
@@ -16,8 +17,8 @@ from dsa_bridge.transfer.handshake import (
     pool_buffers,
     transfer_set,
 )
-from dsa_bridge.transfer.plan import Buffer
-from dsa_bridge.transfer.protocol import MAX_BUFFERS, MAX_LAYERS, PROTOCOL_VERSION, BufferInfo
+from dsa_bridge.transfer.plan import BufferDescriptor
+from dsa_bridge.transfer.protocol import MAX_BUFFERS, MAX_LAYERS, PROTOCOL_VERSION
 
 from .helpers import SMALL_CONFIG, make_pool
 
@@ -30,21 +31,21 @@ KV, IDX = LAYOUT.kv_page_bytes, LAYOUT.index_page_bytes
 PAGES = 8
 
 
-def peer_buffers() -> list[BufferInfo]:
+def peer_buffers() -> list[BufferDescriptor]:
     out, ptr = [], BASE
     for lid in LAYOUT.layer_ids:
         for kind, item in (("kv", KV), ("index", IDX)):
-            out.append(BufferInfo(lid, kind, ptr, PAGES * item, item))
+            out.append(BufferDescriptor(lid, kind, ptr, PAGES * item, item))
             ptr += PAGES * item
     return out
 
 
-def with_buffer(i: int, **change) -> list[BufferInfo]:
+def with_buffer(i: int, **change) -> list[BufferDescriptor]:
     buffers = peer_buffers()
     b = buffers[i]
     fields = {"layer_id": b.layer_id, "kind": b.kind, "ptr": b.ptr, "nbytes": b.nbytes,
               "item_len": b.item_len, **change}
-    buffers[i] = BufferInfo(**fields)
+    buffers[i] = BufferDescriptor(**fields)
     return buffers
 
 
@@ -118,7 +119,7 @@ def test_a_layout_of_max_layers_is_built():
 
 
 def test_our_own_buffers_beyond_the_protocol_are_refused_before_a_hello():
-    too_many = [Buffer(i, "kv", BASE + i * KV, KV * 2, KV) for i in range(MAX_BUFFERS + 1)]
+    too_many = [BufferDescriptor(i, "kv", BASE + i * KV, KV * 2, KV) for i in range(MAX_BUFFERS + 1)]
     with pytest.raises(HandshakeError, match=f"this node holds {MAX_BUFFERS + 1}, more than the "
                                              f"{MAX_BUFFERS} a Hello carries"):
         buffer_infos(too_many)
@@ -137,8 +138,8 @@ def test_index_reads_of_a_layer_without_an_indexer_are_refused():
 def test_descriptor_fields_must_be_ints():
     good = POOL.buffer_descriptors()[0]
     for field in ("layer_id", "ptr", "nbytes", "item_len"):
-        bad = descriptors.BufferDescriptor(**{**good.__dict__, field: 1.5})
+        bad = msgspec.structs.replace(good, **{field: 1.5})
         with pytest.raises(ValueError, match=f"{field} must be an int, got 1.5"):
             descriptors.validate_descriptors([bad])
     with pytest.raises(ValueError, match="ptr must be an int, got True"):
-        descriptors.validate_descriptors([descriptors.BufferDescriptor(**{**good.__dict__, "ptr": True})])
+        descriptors.validate_descriptors([msgspec.structs.replace(good, ptr=True)])

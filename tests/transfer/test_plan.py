@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsa_bridge.plugin.descriptors import BufferDescriptor
 from dsa_bridge.transfer.plan import (
-    Buffer,
     PlanError,
     as_aux_buffers,
     check_aux_index,
@@ -25,8 +26,8 @@ KV, IDX = 41984, 8448
 def buffers(layer_ids, base, pages, kv=KV, idx=IDX):
     out = []
     for i, layer in enumerate(layer_ids):
-        out.append(Buffer(layer, "kv", base + i * 10**9, pages * kv, kv))
-        out.append(Buffer(layer, "index", base + i * 10**9 + 5 * 10**8, pages * idx, idx))
+        out.append(BufferDescriptor(layer, "kv", base + i * 10**9, pages * kv, kv))
+        out.append(BufferDescriptor(layer, "index", base + i * 10**9 + 5 * 10**8, pages * idx, idx))
     return out
 
 
@@ -59,7 +60,7 @@ def test_item_len_must_match():
 @pytest.mark.parametrize("field", ["ptr", "nbytes"])
 def test_null_or_empty_buffers_refused(field):
     remote = buffers((0,), 2 * 10**12, 10)
-    remote[1] = Buffer(**{**remote[1].__dict__, field: 0})
+    remote[1] = msgspec.structs.replace(remote[1], **{field: 0})
     with pytest.raises(PlanError, match="index buffer of layer 0 is empty or null"):
         pair_buffers(buffers((0,), 10**12, 10), remote)
 
@@ -96,7 +97,7 @@ def test_bad_pages_refused_before_any_address(src, dst, message):
 def test_bounds_use_the_smaller_of_kv_and_index_regions():
     local = buffers((0,), 10**12, 100)
     remote = buffers((0,), 2 * 10**12, 80)
-    remote[1] = Buffer(0, "index", remote[1].ptr, 50 * IDX, IDX)  # fewer indexer rows
+    remote[1] = BufferDescriptor(0, "index", remote[1].ptr, 50 * IDX, IDX)  # fewer indexer rows
     with pytest.raises(PlanError, match="dst_pages contains page 50"):
         plan_writes(pair_buffers(local, remote), [1], [50])
 

@@ -6,15 +6,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsa_bridge.plugin.descriptors import BufferDescriptor
 from dsa_bridge.transfer import protocol
 from dsa_bridge.transfer.protocol import ProtocolError
 
 SAMPLES = [
     protocol.Hello(protocol.PROTOCOL_VERSION, "d", "mooncake", {"page_size": 64}, "abc",
-                   b"127.0.0.1:15001", [protocol.BufferInfo(3, "kv", 4096, 8192, 4096)], [3]),
+                   b"127.0.0.1:15001", [BufferDescriptor(3, "kv", 4096, 8192, 4096)], [3]),
     protocol.HelloAck(1, False, "layout mismatch", "p", {}, ""),
     protocol.Hello(protocol.PROTOCOL_VERSION, "d", "nixl", {}, "", b"md", [], [],
-                   aux_buffers=[protocol.AuxInfo(4096, 64 * 8, 64)]),
+                   aux_buffers=[BufferDescriptor(0, "aux", 4096, 64 * 8, 64)]),
     protocol.RequestPages(7, [1, 2, 9], 130),
     protocol.RequestPages(7, [1, 2, 9], 130, aux_index=5),
     protocol.ChunkDone(7, 0, ok=True, last=True, nbytes=10, descriptors=2),

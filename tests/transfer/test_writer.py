@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from dsa_bridge.transfer.backends.base import MemoryRegion
-from dsa_bridge.transfer.plan import Buffer, BufferPair, plan_writes
+from dsa_bridge.plugin.descriptors import BufferDescriptor, raw_region
+from dsa_bridge.transfer.plan import BufferPair, plan_writes
 from dsa_bridge.transfer.request import KVPoll
 from dsa_bridge.transfer.writer import Job, Result, Writer, join_plans, shares
 
@@ -41,10 +41,10 @@ class Side:
         self.engine = engine
         self.memory = {(layer, kind): np.full(PAGES * ITEM, fill, dtype=np.uint8)
                        for layer in LAYERS for kind in ("kv", "index")}
-        engine.register([MemoryRegion(a.ctypes.data, a.nbytes) for a in self.memory.values()])
+        engine.register([raw_region(a.ctypes.data, a.nbytes) for a in self.memory.values()])
 
-    def buffers(self) -> list[Buffer]:
-        return [Buffer(layer, kind, a.ctypes.data, a.nbytes, ITEM)
+    def buffers(self) -> list[BufferDescriptor]:
+        return [BufferDescriptor(layer, kind, a.ctypes.data, a.nbytes, ITEM)
                 for (layer, kind), a in self.memory.items()]
 
     def page(self, layer: int, kind: str, page: int) -> np.ndarray:

@@ -29,7 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .base import BackendError, BackendUnavailable, MemoryRegion, TransferBackend
+from dsa_bridge.plugin.descriptors import BufferDescriptor
+
+from .base import BackendError, BackendUnavailable, TransferBackend
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ def create_backend(name: str, *, host: str = "127.0.0.1", **options: object) -> 
     raise BackendUnavailable(name, "create", f"unknown backend; choose one of {', '.join(BACKENDS)}")
 
 
-def device_index(backend: str, region: MemoryRegion) -> int | None:
+def device_index(backend: str, region: BufferDescriptor) -> int | None:
     """``None`` for "cpu", N for "cuda:N"; any other device string is refused."""
     match = _DEVICE.match(region.device)
     if match is None:
@@ -200,13 +202,13 @@ class RegionTable:
 
     def __init__(self, backend: str) -> None:
         self.backend = backend
-        self.regions: dict[int, MemoryRegion] = {}
+        self.regions: dict[int, BufferDescriptor] = {}
         self._starts = np.zeros(0, dtype=np.uint64)
         self._ends = np.zeros(0, dtype=np.uint64)
         self.on_cuda = np.zeros(0, dtype=bool)
         self.device_ids = np.zeros(0, dtype=np.uint64)
 
-    def check_new(self, regions: list[MemoryRegion]) -> None:
+    def check_new(self, regions: list[BufferDescriptor]) -> None:
         """Refuse zero-length, null, duplicate or overlapping regions, naming the first offender
         (sort and sweep: a peer's metadata may list thousands)."""
         if not regions:
@@ -220,7 +222,7 @@ class RegionTable:
             if region.ptr + region.nbytes > 2**64:
                 raise BackendError(self.backend, "register", f"{region}: wraps around")
         tagged = [(r.ptr, 0, r) for r in self.regions.values()] + [(r.ptr, 1, r) for r in regions]
-        widest: tuple[int, MemoryRegion] | None = None  # the region reaching furthest so far
+        widest: tuple[int, BufferDescriptor] | None = None  # the region reaching furthest so far
         for _, given, region in sorted(tagged, key=lambda item: item[:2]):
             if widest is not None and region.ptr < widest[1].ptr + widest[1].nbytes:
                 other_given, other = widest
@@ -232,12 +234,12 @@ class RegionTable:
             if widest is None or region.ptr + region.nbytes > widest[1].ptr + widest[1].nbytes:
                 widest = (given, region)
 
-    def add(self, regions: list[MemoryRegion]) -> None:
+    def add(self, regions: list[BufferDescriptor]) -> None:
         for region in regions:
             self.regions[region.ptr] = region
         self._rebuild()
 
-    def remove(self, region: MemoryRegion) -> None:
+    def remove(self, region: BufferDescriptor) -> None:
         del self.regions[region.ptr]
         self._rebuild()
 
@@ -277,12 +279,12 @@ class EngineBackend:
         self._regions = RegionTable(self.name)
         self._closed = False
 
-    def register(self, regions: list[MemoryRegion]) -> None:
+    def register(self, regions: list[BufferDescriptor]) -> None:
         """Register each region (all or none: a failure deregisters this call's regions)."""
         with self._lock:
             self._check_open("register")
             self._regions.check_new(regions)
-            done: list[MemoryRegion] = []
+            done: list[BufferDescriptor] = []
             for region in regions:
                 try:
                     self._register_region(region)
@@ -292,11 +294,11 @@ class EngineBackend:
                 self._regions.add([region])
                 done.append(region)
 
-    def _unregister(self, region: MemoryRegion) -> None:
+    def _unregister(self, region: BufferDescriptor) -> None:
         self._regions.remove(region)
         self._unregister_region(region)
 
-    def _roll_back(self, regions: list[MemoryRegion]) -> None:
+    def _roll_back(self, regions: list[BufferDescriptor]) -> None:
         for region in regions:
             try:
                 self._unregister(region)

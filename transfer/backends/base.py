@@ -8,19 +8,11 @@ regions both sides announced before calling ``write``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class MemoryRegion:
-    """A contiguous buffer to register: base address, byte length, and device ("cpu", "cuda:0")."""
-
-    ptr: int
-    nbytes: int
-    device: str = "cpu"
+from dsa_bridge.plugin.descriptors import BufferDescriptor
 
 
 class BackendError(Exception):
@@ -46,7 +38,7 @@ class TransferBackend(Protocol):
 
     name: str
 
-    def register(self, regions: list[MemoryRegion]) -> None:
+    def register(self, regions: list[BufferDescriptor]) -> None:
         """Register each region once. Zero-length, null or duplicate regions are refused."""
 
     def metadata(self) -> bytes:

@@ -26,7 +26,9 @@ import time
 
 import numpy as np
 
-from .base import BackendError, MemoryRegion, TransferBackend
+from dsa_bridge.plugin.descriptors import BufferDescriptor, raw_region
+
+from .base import BackendError, TransferBackend
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +57,11 @@ class FaultyBackend:
         self.in_flight = threading.Event()  # set while a delayed write has landed only half
         self._lock = threading.Lock()
 
-    def register(self, regions: list[MemoryRegion]) -> None:
+    def register(self, regions: list[BufferDescriptor]) -> None:
         if self.flip_every:
             if any(region.device != "cpu" for region in regions):
                 raise ValueError("the flip fault reads source bytes directly: CPU memory only")
-            regions = [*regions, MemoryRegion(self._scratch.ctypes.data, self._scratch.nbytes)]
+            regions = [*regions, raw_region(self._scratch.ctypes.data, self._scratch.nbytes)]
         self.inner.register(regions)
 
     def metadata(self) -> bytes:

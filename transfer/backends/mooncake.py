@@ -50,8 +50,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dsa_bridge.plugin.descriptors import BufferDescriptor
+
 from . import EngineBackend, device_index, env_defaults, rdma_devices
-from .base import BackendError, BackendUnavailable, MemoryRegion, TransferTimeout
+from .base import BackendError, BackendUnavailable, TransferTimeout
 
 log = logging.getLogger(__name__)
 
@@ -199,14 +201,14 @@ class MooncakeBackend(EngineBackend):
         self._peers: dict[str, _Peer] = {}
         log.info("mooncake: engine %s up, transport %s", self._session, self._transport)
 
-    def _register_region(self, region: MemoryRegion) -> None:
+    def _register_region(self, region: BufferDescriptor) -> None:
         cuda = device_index(self.name, region)
         location = "*" if cuda is None else f"cuda:{cuda}"
         rc = self._engine.register_memory(region.ptr, region.nbytes, location)
         if rc != 0:
             raise BackendError(self.name, "register", f"{region} refused", code=rc)
 
-    def _unregister_region(self, region: MemoryRegion) -> None:
+    def _unregister_region(self, region: BufferDescriptor) -> None:
         rc = self._engine.unregister_memory(region.ptr)
         if rc != 0:
             raise BackendError(self.name, "unregister", f"{region} refused", code=rc)

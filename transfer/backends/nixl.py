@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from dsa_bridge.plugin.descriptors import BufferDescriptor, raw_region
+
 from . import (
     EngineBackend,
     FairLock,
@@ -51,7 +53,7 @@ from . import (
     rdma_devices,
     rdma_ports,
 )
-from .base import BackendError, BackendUnavailable, MemoryRegion, TransferTimeout
+from .base import BackendError, BackendUnavailable, TransferTimeout
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ def _import_nixl() -> tuple[Any, tuple[type[Exception], ...]]:
     )
 
 
-def _parse_metadata(data: bytes) -> tuple[str, list[MemoryRegion], bytes]:
+def _parse_metadata(data: bytes) -> tuple[str, list[BufferDescriptor], bytes]:
     """``(agent name, announced regions, NIXL agent metadata)`` from what ``metadata()`` built."""
     try:
         if not data.startswith(_MAGIC):
@@ -91,7 +93,7 @@ def _parse_metadata(data: bytes) -> tuple[str, list[MemoryRegion], bytes]:
         start = len(_MAGIC) + 4
         size = int.from_bytes(data[len(_MAGIC) : start], "big")
         header = json.loads(data[start : start + size])
-        regions = [MemoryRegion(int(p), int(n), str(d)) for p, n, d in header["regions"]]
+        regions = [raw_region(int(p), int(n), str(d)) for p, n, d in header["regions"]]
         return str(header["agent"]), regions, data[start + size :]
     except (ValueError, KeyError, TypeError) as exc:
         raise BackendError("nixl", "connect", f"malformed peer metadata: {exc}") from exc
@@ -162,7 +164,7 @@ class NixlBackend(EngineBackend):
         self._unreleased: list[_Posting] = []
         log.info("nixl: agent %s up, transport %s", self.agent_name, self._transport)
 
-    def _register_region(self, region: MemoryRegion) -> None:
+    def _register_region(self, region: BufferDescriptor) -> None:
         cuda = device_index(self.name, region)
         mem = "DRAM" if cuda is None else "VRAM"
         if f"{mem}_SEG" not in self._mem_types:
@@ -171,7 +173,7 @@ class NixlBackend(EngineBackend):
             "register_memory", "", self._agent.register_memory,
             [(region.ptr, region.nbytes, cuda or 0, "")], mem)
 
-    def _unregister_region(self, region: MemoryRegion) -> None:
+    def _unregister_region(self, region: BufferDescriptor) -> None:
         self._call("deregister_memory", "", self._agent.deregister_memory,
                    self._reg_lists.pop(region.ptr))
 

@@ -204,7 +204,7 @@ def stop_on_signals() -> threading.Event:
 
 def cmd_prefill(args) -> int:
     from dsa_bridge.transfer import metrics
-    from dsa_bridge.transfer.backends import create_backend, faulty
+    from dsa_bridge.transfer.backends import create_backend
     from dsa_bridge.transfer.control import parse_endpoint
     from dsa_bridge.transfer.prefill import PrefillNode
     from dsa_bridge.transfer.roles import PrefillReport, serve_prefill
@@ -212,7 +212,7 @@ def cmd_prefill(args) -> int:
     host, _ = parse_endpoint(args.listen, "--listen")
     stop = stop_on_signals()
     pool = make_pool(args)
-    backend = faulty.wrap_from_env(create_backend(args.backend, host=host))  # test-only hook
+    backend = create_backend(args.backend, host=host)
     node = PrefillNode(pool, backend, listen=args.listen,
                        request_timeout_s=args.request_timeout, peer_timeout_s=args.peer_timeout,
                        secret=load_secret(args.secret_file), allow_insecure=args.insecure,

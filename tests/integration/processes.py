@@ -13,7 +13,8 @@ NODE_ENV = {"MC_LOG_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "ERROR", "UCX_LOG_LEVEL":
 
 
 def cli(*arguments: str) -> list[str]:
-    return [sys.executable, "-m", "dsa_bridge.transfer.cli", *arguments]
+    """The real command, with the test-only fault hook (tests/fault_cli.py)."""
+    return [sys.executable, "-m", "tests.fault_cli", *arguments]
 
 
 class PrefillProcess:

@@ -18,9 +18,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsa_bridge.transfer.backends import BACKENDS, create_backend
-from dsa_bridge.transfer.backends.faulty import DELAY_ENV, FLIP_ENV
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.request import KVPoll
+from tests.faulty import DELAY_ENV, FLIP_ENV
 
 from ..conftest import require_engine
 from ..transfer.helpers import wait_for

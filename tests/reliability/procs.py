@@ -142,7 +142,8 @@ class Processes:
 
 
 def cli(*arguments: str) -> list[str]:
-    return [sys.executable, "-m", "dsa_bridge.transfer.cli", *arguments]
+    """The real command, with the test-only fault hook (tests/fault_cli.py)."""
+    return [sys.executable, "-m", "tests.fault_cli", *arguments]
 
 
 def wait_file(node: Node, path: Path, timeout_s: float = READY_TIMEOUT_S) -> dict:

@@ -23,7 +23,6 @@ import zmq
 from dsa_bridge.transfer import protocol
 from dsa_bridge.transfer.backends import BACKENDS, create_backend
 from dsa_bridge.transfer.backends.base import BackendError
-from dsa_bridge.transfer.backends.faulty import DELAY_ENV, EVERY_ENV, FaultyBackend
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.handshake import HandshakeError, pool_buffers
 from dsa_bridge.transfer.prefill import PrefillNode
@@ -35,6 +34,7 @@ from dsa_bridge.transfer.roles import (
     sentinel_intact,
     serve_prefill,
 )
+from tests.faulty import DELAY_ENV, EVERY_ENV, FaultyBackend
 
 from ..transfer.fake_backend import FakeBackend
 from .helpers import DEEPSEEK, buffer_matches, buffer_untouched, make_pool, settled, wait_until

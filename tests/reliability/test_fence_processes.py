@@ -3,7 +3,7 @@ longer than decode's peer timeout, then resumed.
 
 The decode node (this process) is fed by two ``dsa-bridge prefill`` processes: the victim, whose
 every write lands half, then pauses 3 s before the rest (the fault injection of
-``transfer/backends/faulty.py``), and a healthy one. The victim is frozen in that pause; decode
+``tests/faulty.py``), and a healthy one. The victim is frozen in that pause; decode
 fails the request when its heartbeats stop. The decode pool is small: the next request needs
 pages only the failed one holds (the allocator hands freed pages out again), so releasing them
 before the victim's write is over would give the late bytes to the new request. The test holds
@@ -23,10 +23,10 @@ import pytest
 
 from dsa_bridge.transfer.allocator import PageAllocator
 from dsa_bridge.transfer.backends import BACKENDS, create_backend
-from dsa_bridge.transfer.backends.faulty import DELAY_ENV
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.request import KVPoll
 from dsa_bridge.transfer.roles import count_mismatches, reset_pages, sentinel_intact
+from tests.faulty import DELAY_ENV
 
 from .helpers import DEEPSEEK, buffer_matches, buffer_untouched, make_pool, settled, wait_until
 from .netns import loopback_hosts

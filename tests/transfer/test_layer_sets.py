@@ -240,7 +240,7 @@ def test_sglang_zero_row_infos_are_never_registered_or_planned(closing):
 def test_checksummed_stages_into_a_compact_decode(closing):
     """Each stage's checksums cover exactly the buffers it writes; a byte flipped by the second
     stage's engine fails the request naming that stage's layer."""
-    from dsa_bridge.transfer.backends.faulty import FaultyBackend
+    from tests.faulty import FaultyBackend
 
     stages = []
     for start_layer, end_layer, engine in ((0, 3, FakeBackend()),

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from dsa_bridge.transfer import checksum, verify
-from dsa_bridge.transfer.backends.faulty import FaultyBackend
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll
 from dsa_bridge.transfer.roles import count_mismatches, fill_request
+from tests.faulty import FaultyBackend
 
 from .fake_backend import FakeBackend
 from .helpers import make_pool, wait_for

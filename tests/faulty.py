@@ -1,7 +1,8 @@
 """TEST-ONLY fault injection at the backend seam: wraps a real backend and makes writes misbehave.
 
-Never use this in production. The reliability tests (tests/reliability) select it in a
-``dsa-bridge prefill`` process through the environment, read once at start-up:
+It lives in the tests, never in the installed package. Tests use it in-process, or select it in
+a ``dsa-bridge prefill`` process started through ``tests/fault_cli.py`` (the real command with
+its backend wrapped here) by the environment, read once at start-up:
 
 - ``DSA_BRIDGE_FAULT_WRITE_EVERY=N``: every Nth write writes the first half of its descriptors,
   then raises BackendError, as a failed Mooncake batch leaves part of its data written;
@@ -27,8 +28,7 @@ import time
 import numpy as np
 
 from dsa_bridge.plugin.descriptors import BufferDescriptor, raw_region
-
-from .base import BackendError, TransferBackend
+from dsa_bridge.transfer.backends.base import BackendError, TransferBackend
 
 log = logging.getLogger(__name__)
 

@@ -215,3 +215,38 @@ def test_a_prefill_restarted_on_the_same_port_is_handshaken_again(pair):
         assert count_mismatches(decode.pool, 3, PAGES) == 0
         assert new._loop.bad_messages <= 1  # at most a heartbeat that preceded the Hello
     assert decode.counters.snapshot()["peer_recoveries"] == 1
+
+
+def test_a_decode_the_prefill_dropped_comes_back_within_its_peer_timeout():
+    """Decode silent past prefill's peer timeout (as a frozen decode is): prefill drops it and
+    stops its heartbeats; decode, hearing nothing, marks the prefill dead and re-handshakes. A
+    request made meanwhile fails with a reason; the next one succeeds, with no new node."""
+    prefill = PrefillNode(make_pool(), FakeBackend(), peer_timeout_s=1.0, heartbeat_s=0.1)
+    decode = DecodeNode(make_pool(size=64 * 24, sentinel=True), FakeBackend(), prefill.endpoint,
+                        peer_timeout_s=2.0, heartbeat_s=0.1)
+    try:
+        with decode._lock:  # decode sends no heartbeat for a while
+            decode.heartbeat_s, decode._next_heartbeat = 1000.0, time.monotonic() + 1000.0
+        wait_for(lambda: not prefill.peers(), 10, "prefill dropping the silent decode")
+        with decode._lock:
+            decode.heartbeat_s, decode._next_heartbeat = 0.1, 0.0
+        outcomes = []
+        for room in range(1, 6):
+            fill_request(prefill.pool, room, PAGES)
+            receiver = decode.receiver(room)
+            receiver.init(PAGES)
+            sender = prefill.sender(room)
+            sender.init(PAGES.size)
+            sender.send(PAGES)
+            wait_for(lambda r=receiver: r.poll() in (KVPoll.Success, KVPoll.Failed), 30, f"room {room}")
+            outcomes.append((receiver.poll(), receiver.state.reason))
+            if receiver.poll() == KVPoll.Success:
+                break
+            time.sleep(0.5)
+        assert outcomes[-1][0] == KVPoll.Success, outcomes
+        assert all("unreachable" in reason for status, reason in outcomes[:-1]), outcomes
+        assert counters(decode)["peer_recoveries"] == 1
+        assert count_mismatches(decode.pool, room, PAGES) == 0
+    finally:
+        prefill.close()
+        decode.close()

@@ -31,7 +31,7 @@ LO = loopback_hosts(1)[0]
 NODE = ("--pool-tokens", str(64 * 48), "--request-timeout", "120", "--max-tokens", "256")
 WRITE_TIMEOUT_S = 3.0
 BEFORE = 40  # the healthy node's writes before the freeze (its first 5 requests are not counted)
-HEALTHY_REQUESTS = 600
+HEALTHY_REQUESTS = 2400  # enough to outlast the freeze window on a quiet machine too (NIXL: >60 a second)
 WINDOW_S = 2 * WRITE_TIMEOUT_S + 2.0  # after the freeze: writes into the frozen node time out
 MIN_SAMPLES = 20
 

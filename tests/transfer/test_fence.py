@@ -80,6 +80,18 @@ def start_write(engine, prefill, decode, room: int):
     return receiver, sender
 
 
+def transfer_whole(prefill, decode, room: int, what: str) -> None:
+    """One request of PAGES from ``prefill`` into ``decode``, byte-exact."""
+    fill_request(prefill.pool, room, PAGES)
+    receiver = decode.receiver(room)
+    receiver.init(PAGES)
+    sender = prefill.sender(room)
+    sender.init(PAGES.size)
+    sender.send(PAGES)
+    wait_for(lambda: receiver.poll() == KVPoll.Success, what=what)
+    assert count_mismatches(decode.pool, room, PAGES) == 0
+
+
 def mark_dead(decode):
     """What the tick does when the prefill has been silent for the peer timeout."""
     with decode._lock:
@@ -126,14 +138,7 @@ def test_a_silent_prefills_pages_wait_for_its_new_handshake(pair):
                              "quarantine_expiries_total": 0} == scrape(decode)
     decode.forget(receiver)
     # after recovery the same pages serve a new request, and nothing else lands in them
-    fill_request(prefill.pool, 3, PAGES)
-    again = decode.receiver(3)
-    again.init(PAGES)
-    later = prefill.sender(3)
-    later.init(PAGES.size)
-    later.send(PAGES)
-    wait_for(lambda: again.poll() == KVPoll.Success, what="a request after recovery")
-    assert count_mismatches(decode.pool, 3, PAGES) == 0
+    transfer_whole(prefill, decode, 3, "a request after recovery")
     others = np.setdiff1d(np.arange(1, decode.pool.num_kv_pages), np.concatenate([PAGES, [10]]))
     assert sentinel_intact(decode.pool, others)
 
@@ -205,14 +210,7 @@ def test_a_prefill_restarted_on_the_same_port_is_handshaken_again(pair):
     with PrefillNode(make_pool(), FakeBackend(), listen=f"127.0.0.1:{port}", heartbeat_s=0.1) as new:
         wait_for(lambda: decode.peers[0].alive, what="the new handshake")
         assert new.counters.snapshot()["handshakes_ok"] == 1
-        fill_request(new.pool, 3, PAGES)
-        again = decode.receiver(3)
-        again.init(PAGES)
-        sender = new.sender(3)
-        sender.init(PAGES.size)
-        sender.send(PAGES)
-        wait_for(lambda: again.poll() == KVPoll.Success, what="a request to the new node")
-        assert count_mismatches(decode.pool, 3, PAGES) == 0
+        transfer_whole(new, decode, 3, "a request to the new node")
         assert new._loop.bad_messages <= 1  # at most a heartbeat that preceded the Hello
     assert decode.counters.snapshot()["peer_recoveries"] == 1
 

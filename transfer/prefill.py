@@ -29,7 +29,7 @@ import zmq
 from dsa_bridge.plugin.descriptors import BufferDescriptor
 from dsa_bridge.transfer import auth, checksum, limits, protocol
 from dsa_bridge.transfer.backends.base import BackendError, TransferBackend
-from dsa_bridge.transfer.control import ControlLoop, limit_receive, parse_endpoint, zmq_address
+from dsa_bridge.transfer.control import parse_endpoint, zmq_address
 from dsa_bridge.transfer.counters import Counters
 from dsa_bridge.transfer.handshake import (
     HandshakeError,
@@ -50,6 +50,7 @@ from dsa_bridge.transfer.plan import (
     pair_aux,
 )
 from dsa_bridge.transfer.request import TERMINAL, KVPoll, RequestState
+from dsa_bridge.transfer.runtime import NodeRuntime
 from dsa_bridge.transfer.writer import Job, Result, Writer
 
 log = logging.getLogger(__name__)
@@ -159,8 +160,6 @@ class PrefillNode:
         self.backend = backend
         self.name = name
         self.request_timeout_s = request_timeout_s
-        self.peer_timeout_s = peer_timeout_s
-        self.heartbeat_s = heartbeat_s
         self.write_timeout_s = write_timeout_s
         self.secret = secret
         self.checksums = checksums  # send each chunk's page checksums (may change between requests)
@@ -174,7 +173,6 @@ class PrefillNode:
         self.incoming: queue.Queue[IncomingRoom] = queue.Queue()
         self.buffers = pool_buffers(pool)
         self.aux_buffers = as_aux_buffers(aux_buffers)  # (ptr, nbytes, item_len): host memory
-        self.backend.register(self.buffers + self.aux_buffers)
 
         self._lock = threading.RLock()
         self._peers: dict[bytes, DecodePeer] = {}
@@ -183,28 +181,29 @@ class PrefillNode:
         self._gone: dict[int, tuple[str, float]] = {}  # room -> (why, when) its decode left
         self._departed: list[DecodePeer] = []  # dropped decode peers, while their writes matter
         self._fences: dict[bytes, _Fence] = {}  # session -> the answer it waits for
-        self._next_heartbeat = 0.0
 
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        limit_receive(self._socket, limits.prefill_receive_bytes(self.layout, backend.name, self.buffers))
+        self._runtime = NodeRuntime(name, backend, self.buffers + self.aux_buffers, self.counters,
+                                    on_message=self._on_message, on_tick=self._on_tick,
+                                    heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s)
+        self._liveness = self._runtime.liveness
+        self._loop = self._runtime.loop
         try:
-            if port == 0:
-                port = self._socket.bind_to_random_port(zmq_address(host, 0).rsplit(":", 1)[0])
-            else:
-                self._socket.bind(zmq_address(host, port))
-        except zmq.ZMQError as exc:
-            self._context.destroy(0)
-            self.backend.close()
-            raise OSError(f"cannot listen on {listen}: {exc}") from exc
-        self.endpoint = f"{host}:{port}"
-        self._loop = ControlLoop(name, self._on_message, self._on_tick)
-        self._loop.add_socket(self._socket)
-        self._writer = Writer(backend, name=name, timeout_s=write_timeout_s,
-                              prepare=self._prepare, finish=self._finish)
-        self._closed = False
-        self._loop.start()
+            self._socket = self._runtime.socket(
+                zmq.ROUTER, limits.prefill_receive_bytes(self.layout, backend.name, self.buffers))
+            try:
+                if port == 0:
+                    port = self._socket.bind_to_random_port(zmq_address(host, 0).rsplit(":", 1)[0])
+                else:
+                    self._socket.bind(zmq_address(host, port))
+            except zmq.ZMQError as exc:
+                raise OSError(f"cannot listen on {listen}: {exc}") from exc
+            self.endpoint = f"{host}:{port}"
+            self._writer = Writer(backend, name=name, timeout_s=write_timeout_s,
+                                  prepare=self._prepare, finish=self._finish)
+            self._runtime.start([self._socket])
+        except BaseException:
+            self._runtime.close()
+            raise
         log.info("%s listening on %s (backend %s, transport %s)", name, self.endpoint,
                  backend.name, backend.transport())
 
@@ -228,14 +227,12 @@ class PrefillNode:
             return [p.node for p in self._peers.values()]
 
     def close(self) -> None:
-        if self._closed:
+        """Let the writer's lanes finish (their outcomes still reach decode), then close the
+        runtime: loop, sockets, engine. Idempotent."""
+        if self._runtime.closed:
             return
-        self._closed = True
         self._writer.close(self.write_timeout_s + 5)
-        self._loop.stop()
-        self._socket.close(0)
-        self._context.term()
-        self.backend.close()
+        self._runtime.close()
 
     def __enter__(self) -> PrefillNode:
         return self
@@ -544,10 +541,9 @@ class PrefillNode:
             log.warning("%s: disconnecting the engine of %s: %s", self.name, peer.node, exc)
 
     def _on_tick(self, now: float) -> None:
-        self.backend.progress()
         with self._lock:
             for identity, peer in list(self._peers.items()):
-                if now - peer.last_seen > self.peer_timeout_s:
+                if self._liveness.silent(peer.last_seen, now):
                     log.warning("%s: decode %s silent for %.1fs: dropping it", self.name,
                                 peer.node, now - peer.last_seen)
                     del self._peers[identity]
@@ -572,9 +568,6 @@ class PrefillNode:
                     del self._rooms[room_id]
                     room.peer.rooms.discard(room_id)
                     self._refuse_request(room.peer, room_id, "no prefill request for this room")
-            if now >= self._next_heartbeat:
-                self._next_heartbeat = now + self.heartbeat_s
+            if self._liveness.heartbeat_due(now):
                 for peer in self._peers.values():
                     self._loop.send(self._socket, protocol.Heartbeat(time.time()), peer.identity)
-        self.counters.bad_messages = self._loop.bad_messages
-        self.counters.max_tick_gap_s = self._loop.max_tick_gap_s

@@ -36,7 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 from dsa_bridge.plugin.layout import DSALayout
 from dsa_bridge.transfer import auth, checksum, limits, protocol
 from dsa_bridge.transfer.backends.base import TransferBackend
-from dsa_bridge.transfer.control import ControlLoop, limit_receive, parse_endpoint, zmq_address
+from dsa_bridge.transfer.control import parse_endpoint, zmq_address
 from dsa_bridge.transfer.counters import Counters
 from dsa_bridge.transfer.handshake import (
     BufferKey,
@@ -51,6 +51,7 @@ from dsa_bridge.transfer.handshake import (
 from dsa_bridge.transfer.plan import PlanError, as_aux_buffers, as_page_ids, check_aux_index, check_pages
 from dsa_bridge.transfer.request import TERMINAL, KVPoll, RequestState
 from dsa_bridge.transfer.rooms import RoomBook
+from dsa_bridge.transfer.runtime import NodeRuntime
 from dsa_bridge.transfer.verify import ChunkVerifier
 
 log = logging.getLogger(__name__)
@@ -167,8 +168,6 @@ class DecodeNode:
         self.backend = backend
         self.name = name or f"decode-{os.getpid()}"
         self.request_timeout_s = request_timeout_s
-        self.peer_timeout_s = peer_timeout_s
-        self.heartbeat_s = heartbeat_s
         self.in_flight_grace_s = in_flight_grace_s
         self.quarantine_timeout_s = quarantine_timeout_s
         self.secret = secret
@@ -177,15 +176,15 @@ class DecodeNode:
         self.counters = Counters()
         self._lock = threading.Lock()
         self._receivers: dict[int, KVReceiver] = {}
-        self._next_heartbeat = 0.0
-        self._context = zmq.Context()
-        self._loop = ControlLoop(self.name, self._on_message, self._on_tick)
-        self._closed = False
         self.buffers = pool_buffers(pool)
         self.aux_buffers = as_aux_buffers(aux_buffers)  # (ptr, nbytes, item_len): host memory
         self._page_limit = min(b.num_items for b in self.buffers)
         self._items = {(b.layer_id, b.kind): b.item_len for b in self.buffers}
-        backend.register(self.buffers + self.aux_buffers)
+        self._runtime = NodeRuntime(self.name, backend, self.buffers + self.aux_buffers, self.counters,
+                                    on_message=self._on_message, on_tick=self._on_tick,
+                                    heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s)
+        self._liveness = self._runtime.liveness
+        self._loop = self._runtime.loop
         endpoints = [prefill] if isinstance(prefill, str) else list(prefill)
         try:
             self._engine_metadata = backend.metadata()
@@ -196,13 +195,10 @@ class DecodeNode:
                 raise HandshakeError(f"layer sets: layer {missing[0]} is held by none of the prefill "
                                      f"nodes ({', '.join(endpoints)})")
         except BaseException:
-            self._context.destroy(0)
-            backend.close()
+            self._runtime.close()
             raise
-        for peer in self.peers:
-            self._loop.add_socket(peer.socket)
         self._verifier = ChunkVerifier(pool, self.name, self._on_verified)
-        self._loop.start()
+        self._runtime.start([peer.socket for peer in self.peers])
 
     # ---- application API -------------------------------------------------------------------
 
@@ -241,13 +237,12 @@ class DecodeNode:
                        if r.page_ids is not None and r.book.quarantined)
 
     def close(self) -> None:
-        if self._closed:
+        """Let the verifier finish what is queued, then close the runtime: loop, sockets,
+        engine. Idempotent."""
+        if self._runtime.closed:
             return
-        self._closed = True
-        self._loop.stop()
         self._verifier.close()
-        self._context.destroy(0)
-        self.backend.close()
+        self._runtime.close()
 
     def __enter__(self) -> DecodeNode:
         return self
@@ -285,11 +280,9 @@ class DecodeNode:
     def _handshake(self, endpoint: str, timeout_s: float) -> PrefillPeer:
         """The first handshake (constructor thread, before the loop starts)."""
         host, port = parse_endpoint(endpoint, "prefill")
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = self._runtime.socket(zmq.DEALER, limits.decode_receive_bytes(self.layout, self.buffers))
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
-        limit_receive(sock, limits.decode_receive_bytes(self.layout, self.buffers))
         sock.connect(zmq_address(host, port))
         hello = self._hello(0)
         sock.send(protocol.encode(hello))
@@ -454,7 +447,8 @@ class DecodeNode:
         peer.retry_at = now
         peer.backoff_s = RETRY_FIRST_S
         log.warning("%s: prefill %s silent for %.1fs", self.name, peer.endpoint, now - peer.last_seen)
-        reason = f"prefill {peer.endpoint} unreachable (no heartbeat for {self.peer_timeout_s:.1f}s)"
+        reason = (f"prefill {peer.endpoint} unreachable (no heartbeat for "
+                  f"{self._liveness.peer_timeout_s:.1f}s)")
         for receiver in self._receivers.values():
             if peer not in receiver.peers:
                 continue
@@ -570,11 +564,10 @@ class DecodeNode:
                 self._on_part_done_locked(receiver, peer, now)
 
     def _on_tick(self, now: float) -> None:
-        self.backend.progress()
         with self._lock:
             for peer in self.peers:
                 self._watch_link_locked(peer, now)
-                if peer.alive and now - peer.last_seen > self.peer_timeout_s:
+                if peer.alive and self._liveness.silent(peer.last_seen, now):
                     self._peer_dead_locked(peer, now)
                 elif not peer.alive and peer.link_down_since is None and now >= peer.retry_at:
                     self._rehandshake_locked(peer, now)  # (while the link is down: at reconnect)
@@ -589,10 +582,7 @@ class DecodeNode:
                     elif now > receiver.state.deadline:
                         self._abort_locked(receiver, f"timed out after "
                                                      f"{self.request_timeout_s:.0f}s", now)
-            if now >= self._next_heartbeat:
-                self._next_heartbeat = now + self.heartbeat_s
+            if self._liveness.heartbeat_due(now):
                 for peer in self.peers:  # not into a closed connection: a new process on
                     if peer.link_down_since is None:  # the port would get them first
                         self._loop.send(peer.socket, protocol.Heartbeat(time.time()))
-        self.counters.bad_messages = self._loop.bad_messages
-        self.counters.max_tick_gap_s = self._loop.max_tick_gap_s

@@ -29,7 +29,7 @@ import zmq
 from dsa_bridge.plugin.descriptors import BufferDescriptor
 from dsa_bridge.transfer import auth, checksum, limits, protocol
 from dsa_bridge.transfer.backends.base import BackendError, TransferBackend
-from dsa_bridge.transfer.control import ControlLoop, limit_receive, parse_endpoint, zmq_address
+from dsa_bridge.transfer.control import parse_endpoint, zmq_address
 from dsa_bridge.transfer.counters import Counters
 from dsa_bridge.transfer.handshake import (
     HandshakeError,
@@ -50,6 +50,7 @@ from dsa_bridge.transfer.plan import (
     pair_aux,
 )
 from dsa_bridge.transfer.request import TERMINAL, KVPoll, RequestState
+from dsa_bridge.transfer.runtime import NodeRuntime
 from dsa_bridge.transfer.writer import Job, Result, Writer
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,12 @@ class KVSender:
 
 
 class PrefillNode:
-    """Serves decode nodes from one pool through one engine backend."""
+    """Serves decode nodes from one pool through one engine backend.
+
+    One plain lock guards the peers, rooms, senders and fences; each entry point takes it once
+    (the application's calls, each message and tick, each outcome a writer lane reports), and
+    methods named ``_..._locked`` expect it held. The writer's blocking calls (``close``) are never
+    made with it held: its lanes call back into the node (``_finish``) and take it."""
 
     def __init__(self, pool, backend: TransferBackend, *, listen: str = "127.0.0.1:0",
                  name: str = "prefill", request_timeout_s: float = 60.0,
@@ -159,8 +165,6 @@ class PrefillNode:
         self.backend = backend
         self.name = name
         self.request_timeout_s = request_timeout_s
-        self.peer_timeout_s = peer_timeout_s
-        self.heartbeat_s = heartbeat_s
         self.write_timeout_s = write_timeout_s
         self.secret = secret
         self.checksums = checksums  # send each chunk's page checksums (may change between requests)
@@ -174,37 +178,37 @@ class PrefillNode:
         self.incoming: queue.Queue[IncomingRoom] = queue.Queue()
         self.buffers = pool_buffers(pool)
         self.aux_buffers = as_aux_buffers(aux_buffers)  # (ptr, nbytes, item_len): host memory
-        self.backend.register(self.buffers + self.aux_buffers)
 
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._peers: dict[bytes, DecodePeer] = {}
         self._rooms: dict[int, _Room] = {}
         self._senders: dict[int, KVSender] = {}
         self._gone: dict[int, tuple[str, float]] = {}  # room -> (why, when) its decode left
         self._departed: list[DecodePeer] = []  # dropped decode peers, while their writes matter
         self._fences: dict[bytes, _Fence] = {}  # session -> the answer it waits for
-        self._next_heartbeat = 0.0
 
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        limit_receive(self._socket, limits.prefill_receive_bytes(self.layout, backend.name, self.buffers))
+        self._runtime = NodeRuntime(name, backend, self.buffers + self.aux_buffers, self.counters,
+                                    on_message=self._on_message, on_tick=self._on_tick,
+                                    heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s)
+        self._liveness = self._runtime.liveness
+        self._loop = self._runtime.loop
         try:
-            if port == 0:
-                port = self._socket.bind_to_random_port(zmq_address(host, 0).rsplit(":", 1)[0])
-            else:
-                self._socket.bind(zmq_address(host, port))
-        except zmq.ZMQError as exc:
-            self._context.destroy(0)
-            self.backend.close()
-            raise OSError(f"cannot listen on {listen}: {exc}") from exc
-        self.endpoint = f"{host}:{port}"
-        self._loop = ControlLoop(name, self._on_message, self._on_tick)
-        self._loop.add_socket(self._socket)
-        self._writer = Writer(backend, name=name, timeout_s=write_timeout_s,
-                              prepare=self._prepare, finish=self._finish)
-        self._closed = False
-        self._loop.start()
+            self._socket = self._runtime.socket(
+                zmq.ROUTER, limits.prefill_receive_bytes(self.layout, backend.name, self.buffers))
+            try:
+                if port == 0:
+                    port = self._socket.bind_to_random_port(zmq_address(host, 0).rsplit(":", 1)[0])
+                else:
+                    self._socket.bind(zmq_address(host, port))
+            except zmq.ZMQError as exc:
+                raise OSError(f"cannot listen on {listen}: {exc}") from exc
+            self.endpoint = f"{host}:{port}"
+            self._writer = Writer(backend, name=name, timeout_s=write_timeout_s,
+                                  prepare=self._prepare, finish=self._finish)
+            self._runtime.start([self._socket])
+        except BaseException:
+            self._runtime.close()
+            raise
         log.info("%s listening on %s (backend %s, transport %s)", name, self.endpoint,
                  backend.name, backend.transport())
 
@@ -220,7 +224,7 @@ class PrefillNode:
                 sender.state.advance(KVPoll.WaitingForInput, time.monotonic())
             gone = self._gone.pop(room, None)
             if gone is not None:  # its decode node was dropped before the application came
-                self._fail(sender, gone[0])
+                self._fail_locked(sender, gone[0])
             return sender
 
     def peers(self) -> list[str]:
@@ -228,14 +232,12 @@ class PrefillNode:
             return [p.node for p in self._peers.values()]
 
     def close(self) -> None:
-        if self._closed:
+        """Let the writer's lanes finish (their outcomes still reach decode), then close the
+        runtime: loop, sockets, engine. Idempotent."""
+        if self._runtime.closed:
             return
-        self._closed = True
         self._writer.close(self.write_timeout_s + 5)
-        self._loop.stop()
-        self._socket.close(0)
-        self._context.term()
-        self.backend.close()
+        self._runtime.close()
 
     def __enter__(self) -> PrefillNode:
         return self
@@ -252,7 +254,7 @@ class PrefillNode:
             sender.num_pages = num_pages
             room = self._rooms.get(sender.room)
             if room is not None and len(room.dst_pages) != num_pages:
-                self._fail(sender, f"page count mismatch: prefill has {num_pages} pages, "
+                self._fail_locked(sender, f"page count mismatch: prefill has {num_pages} pages, "
                                    f"decode allocated {len(room.dst_pages)}")
 
     def _send_chunk(self, sender: KVSender, pages: np.ndarray) -> None:
@@ -262,15 +264,15 @@ class PrefillNode:
             if sender.num_pages is None:
                 raise ValueError(f"room {sender.room}: send before init")
             if pages.size == 0 or sender.pages_sent + pages.size > sender.num_pages:
-                self._fail(sender, f"chunk of {pages.size} pages after {sender.pages_sent} "
+                self._fail_locked(sender, f"chunk of {pages.size} pages after {sender.pages_sent} "
                                    f"does not fit the request's {sender.num_pages} pages")
                 return
             offset = sender.pages_sent
             sender.pages_sent += pages.size
             sender.pending.append((offset, pages, sender.pages_sent == sender.num_pages))
-            self._dispatch(sender)
+            self._dispatch_locked(sender)
 
-    def _dispatch(self, sender: KVSender) -> None:
+    def _dispatch_locked(self, sender: KVSender) -> None:
         """Hand queued chunks to the writer once decode's pages are known."""
         room = self._rooms.get(sender.room)
         if room is None or not sender.pending:
@@ -284,14 +286,17 @@ class PrefillNode:
                                     aux_dst=room.aux_index))
         sender.pending.clear()
 
-    def _fail(self, sender: KVSender, reason: str, *, in_flight: bool = False) -> None:
+    def _fail(self, sender: KVSender, reason: str) -> None:
         with self._lock:
-            if sender.state.fail(reason, time.monotonic()):
-                self.counters.request_failed(reason)
-                log.warning("%s: room %d failed: %s", self.name, sender.room, reason)
-            self._report_failure(sender, in_flight=in_flight)
+            self._fail_locked(sender, reason)
 
-    def _report_failure(self, sender: KVSender, *, in_flight: bool) -> None:
+    def _fail_locked(self, sender: KVSender, reason: str, *, in_flight: bool = False) -> None:
+        if sender.state.fail(reason, time.monotonic()):
+            self.counters.request_failed(reason)
+            log.warning("%s: room %d failed: %s", self.name, sender.room, reason)
+        self._report_failure_locked(sender, in_flight=in_flight)
+
+    def _report_failure_locked(self, sender: KVSender, *, in_flight: bool) -> None:
         """Tell decode once, when no write of ours into its pages is still running."""
         room = self._rooms.get(sender.room)
         if sender.reported or sender.busy or room is None:
@@ -310,19 +315,19 @@ class PrefillNode:
     def _finish(self, result: Result) -> None:
         """One chunk left the writer: written, failed, or skipped (its request had failed)."""
         sender = result.job.sender
-        if result.ok:
-            self._chunk_written(sender, result.job.room, result.plan, result.job.last,
-                                result.seconds, result.sums)
-        elif result.reason:
-            if result.engine_failure and result.batch_index == 0:
-                self.counters.add(engine_failures=1)
-            if result.in_flight:
-                sender.write_failed = True
-            self._fail(sender, result.reason, in_flight=result.in_flight)
         with self._lock:
+            if result.ok:
+                self._chunk_written_locked(sender, result.job.room, result.plan, result.job.last,
+                                           result.seconds, result.sums)
+            elif result.reason:
+                if result.engine_failure and result.batch_index == 0:
+                    self.counters.add(engine_failures=1)
+                if result.in_flight:
+                    sender.write_failed = True
+                self._fail_locked(sender, result.reason, in_flight=result.in_flight)
             sender.busy -= 1
             if sender.state.status == KVPoll.Failed:
-                self._report_failure(sender, in_flight=result.in_flight)
+                self._report_failure_locked(sender, in_flight=result.in_flight)
 
     def _checksums(self, pages: np.ndarray, offset: int, pairs: list[BufferPair]) -> protocol.PageChecksums:
         started = time.perf_counter()
@@ -334,21 +339,20 @@ class PrefillNode:
                           checksum_seconds=time.perf_counter() - started)
         return sums
 
-    def _chunk_written(self, sender: KVSender, room: _Room, plan, last: bool,
-                       seconds: float, sums: protocol.PageChecksums | None) -> None:
-        with self._lock:
-            self.counters.add(chunks=1, bytes=plan.nbytes, descriptors=plan.descriptors,
-                              write_seconds=seconds)
-            sender.chunks_sent += 1
-            if sender.state.status == KVPoll.Failed:  # aborted while writing: already reported
-                return
-            self._loop.send(self._socket, protocol.ChunkDone(
-                sender.room, sender.chunks_sent - 1, ok=True, last=last, nbytes=plan.nbytes,
-                descriptors=plan.descriptors, write_seconds=seconds, checksums=sums),
-                room.peer.identity)
-            if last and sender.state.advance(KVPoll.Success, time.monotonic()):
-                state = sender.state
-                self.counters.request_ok(state.finished_at - (state.transferring_at or state.created))
+    def _chunk_written_locked(self, sender: KVSender, room: _Room, plan, last: bool,
+                              seconds: float, sums: protocol.PageChecksums | None) -> None:
+        self.counters.add(chunks=1, bytes=plan.nbytes, descriptors=plan.descriptors,
+                          write_seconds=seconds)
+        sender.chunks_sent += 1
+        if sender.state.status == KVPoll.Failed:  # aborted while writing: already reported
+            return
+        self._loop.send(self._socket, protocol.ChunkDone(
+            sender.room, sender.chunks_sent - 1, ok=True, last=last, nbytes=plan.nbytes,
+            descriptors=plan.descriptors, write_seconds=seconds, checksums=sums),
+            room.peer.identity)
+        if last and sender.state.advance(KVPoll.Success, time.monotonic()):
+            state = sender.state
+            self.counters.request_ok(state.finished_at - (state.transferring_at or state.created))
 
     # ---- control plane (loop thread) -------------------------------------------------------
 
@@ -362,9 +366,9 @@ class PrefillNode:
                 raise protocol.ProtocolError(f"{type(message).__name__} before a handshake")
             peer.last_seen = time.monotonic()
             if isinstance(message, protocol.RequestPages):
-                self._on_request(peer, message)
+                self._on_request_locked(peer, message)
             elif isinstance(message, protocol.Abort):
-                self._on_abort(peer, message)
+                self._on_abort_locked(peer, message)
             elif not isinstance(message, protocol.Heartbeat):
                 raise protocol.ProtocolError(f"unexpected {type(message).__name__} from decode")
 
@@ -404,19 +408,19 @@ class PrefillNode:
             old = [p for p in self._peers.values() if p.identity == identity or p.session == session]
             for peer in old:
                 del self._peers[peer.identity]
-                self._drop_peer(peer, "decode re-handshaked")
+                self._drop_peer_locked(peer, "decode re-handshaked")
             self._peers[identity] = DecodePeer(identity, hello.node, engine_peer, pairs,
                                                time.monotonic(), session=session,
                                                aux_pairs=aux_pairs)
             for peer in old:
-                self._disconnect_engine(peer)
+                self._disconnect_engine_locked(peer)
             self._fences[session] = _Fence(identity, hello, [
                 s for p in self._departed if p.session == session for s in p.senders])
             self.counters.add(handshakes_ok=1)
             log.info("%s: paired with %s (%d buffers)", self.name, hello.node, len(pairs))
-            self._answer_fenced()
+            self._answer_fenced_locked()
 
-    def _answer_fenced(self) -> None:
+    def _answer_fenced_locked(self) -> None:
         """Answer the handshakes none of whose session's earlier writes can still run
         (``busy == 0``); name the rooms a failed engine write of theirs may still land in."""
         for session, fence in list(self._fences.items()):
@@ -454,12 +458,12 @@ class PrefillNode:
         self._loop.send(self._socket, protocol.ChunkDone(room, 0, ok=False, last=True,
                                                          reason=reason), peer.identity)
 
-    def _on_request(self, peer: DecodePeer, request: protocol.RequestPages) -> None:
+    def _on_request_locked(self, peer: DecodePeer, request: protocol.RequestPages) -> None:
         if not 0 <= request.room <= MAX_ROOM:
             self._refuse_request(peer, request.room, f"room {request.room} is not in 0..2**63-1")
             return
         if request.room in self._rooms:
-            self._on_duplicate(peer, request.room)
+            self._on_duplicate_locked(peer, request.room)
             return
         try:
             dst = check_destination(peer.pairs, request.dst_pages)
@@ -474,16 +478,16 @@ class PrefillNode:
             self.incoming.put(IncomingRoom(request.room, dst.size, request.num_tokens, peer.node))
             return
         if sender.state.status == KVPoll.Failed:  # failed before decode's pages arrived
-            self._report_failure(sender, in_flight=False)
+            self._report_failure_locked(sender, in_flight=False)
             return
         sender.state.advance(KVPoll.WaitingForInput, time.monotonic())
         if sender.num_pages is not None and sender.num_pages != dst.size:
-            self._fail(sender, f"page count mismatch: prefill has {sender.num_pages} pages, "
+            self._fail_locked(sender, f"page count mismatch: prefill has {sender.num_pages} pages, "
                                f"decode allocated {dst.size}")
             return
-        self._dispatch(sender)
+        self._dispatch_locked(sender)
 
-    def _on_duplicate(self, peer: DecodePeer, room_id: int) -> None:
+    def _on_duplicate_locked(self, peer: DecodePeer, room_id: int) -> None:
         """A room announced again. From another decode node, the newcomer's request is the one
         refused. From the same node, it no longer knows which pages it meant: the room fails,
         and, like any failure, is reported only once no write of ours into it can still land."""
@@ -495,9 +499,9 @@ class PrefillNode:
                 peer.rooms.discard(room_id)
             self._refuse_request(peer, room_id, f"duplicate room {room_id}")
             return
-        self._fail(sender, f"duplicate room {room_id}")
+        self._fail_locked(sender, f"duplicate room {room_id}")
 
-    def _on_abort(self, peer: DecodePeer, abort: protocol.Abort) -> None:
+    def _on_abort_locked(self, peer: DecodePeer, abort: protocol.Abort) -> None:
         room = self._rooms.get(abort.room)
         if room is not None and room.peer is not peer:
             raise protocol.ProtocolError(f"abort of room {abort.room}, which another decode "
@@ -508,16 +512,16 @@ class PrefillNode:
             peer.rooms.discard(abort.room)
             self._refuse_request(peer, abort.room, f"aborted by decode: {abort.reason}")
             return
-        self._fail(sender, f"aborted by decode: {abort.reason}")
+        self._fail_locked(sender, f"aborted by decode: {abort.reason}")
 
-    def _forget(self, room_id: int) -> None:
+    def _forget_locked(self, room_id: int) -> None:
         """Drop a finished room; the application keeps its sender object and its state."""
         self._senders.pop(room_id, None)
         room = self._rooms.pop(room_id, None)
         if room is not None:
             room.peer.rooms.discard(room_id)
 
-    def _drop_peer(self, peer: DecodePeer, reason: str) -> None:
+    def _drop_peer_locked(self, peer: DecodePeer, reason: str) -> None:
         """Fail a dropped decode node's rooms; its senders are kept (``_departed``) for the fence
         of its session's next handshake."""
         now = time.monotonic()
@@ -533,7 +537,7 @@ class PrefillNode:
         peer.dropped_at = now
         self._departed.append(peer)
 
-    def _disconnect_engine(self, peer: DecodePeer) -> None:
+    def _disconnect_engine_locked(self, peer: DecodePeer) -> None:
         """Release the engine's connections to a dropped decode node (Mooncake keeps them open
         otherwise), unless a paired node still uses the same engine peer."""
         if any(other.engine_peer == peer.engine_peer for other in self._peers.values()):
@@ -544,26 +548,25 @@ class PrefillNode:
             log.warning("%s: disconnecting the engine of %s: %s", self.name, peer.node, exc)
 
     def _on_tick(self, now: float) -> None:
-        self.backend.progress()
         with self._lock:
             for identity, peer in list(self._peers.items()):
-                if now - peer.last_seen > self.peer_timeout_s:
+                if self._liveness.silent(peer.last_seen, now):
                     log.warning("%s: decode %s silent for %.1fs: dropping it", self.name,
                                 peer.node, now - peer.last_seen)
                     del self._peers[identity]
-                    self._drop_peer(peer, f"decode {peer.node} unreachable")
-                    self._disconnect_engine(peer)
+                    self._drop_peer_locked(peer, f"decode {peer.node} unreachable")
+                    self._disconnect_engine_locked(peer)
             for sender in list(self._senders.values()):
                 if sender.state.status not in TERMINAL and now > sender.state.deadline:
-                    self._fail(sender, f"timed out after {self.request_timeout_s:.0f}s")
+                    self._fail_locked(sender, f"timed out after {self.request_timeout_s:.0f}s")
                 if sender.can_release() and (sender.reported or now > sender.state.deadline
                                              or sender.state.status == KVPoll.Success):
-                    self._forget(sender.room)
+                    self._forget_locked(sender.room)
             if self._gone:
                 self._gone = {r: g for r, g in self._gone.items()
                               if now - g[1] <= self.request_timeout_s}
             if self._fences:
-                self._answer_fenced()
+                self._answer_fenced_locked()
             if self._departed:  # kept while a write may run, and long enough for a re-handshake
                 self._departed = [p for p in self._departed if any(s.busy for s in p.senders)
                                   or now - p.dropped_at <= self.request_timeout_s]
@@ -572,9 +575,6 @@ class PrefillNode:
                     del self._rooms[room_id]
                     room.peer.rooms.discard(room_id)
                     self._refuse_request(room.peer, room_id, "no prefill request for this room")
-            if now >= self._next_heartbeat:
-                self._next_heartbeat = now + self.heartbeat_s
+            if self._liveness.heartbeat_due(now):
                 for peer in self._peers.values():
                     self._loop.send(self._socket, protocol.Heartbeat(time.time()), peer.identity)
-        self.counters.bad_messages = self._loop.bad_messages
-        self.counters.max_tick_gap_s = self._loop.max_tick_gap_s

@@ -1,0 +1,131 @@
+"""The runtime both nodes share: its pure heartbeat schedule and liveness rule, and a close that
+leaves nothing behind, also after a construction that failed half-way."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+import zmq
+
+from dsa_bridge.transfer.backends.base import BackendError
+from dsa_bridge.transfer.counters import Counters
+from dsa_bridge.transfer.decode import DecodeNode
+from dsa_bridge.transfer.handshake import HandshakeError
+from dsa_bridge.transfer.prefill import PrefillNode
+from dsa_bridge.transfer.runtime import Liveness, NodeRuntime
+
+from .fake_backend import FakeBackend
+from .helpers import SMALL_CONFIG, make_pool, wait_for
+
+
+def test_the_first_heartbeat_is_due_at_once_then_once_per_interval():
+    live = Liveness(heartbeat_s=0.5, peer_timeout_s=5.0)
+    assert live.heartbeat_due(100.0)
+    assert not live.heartbeat_due(100.0)
+    assert not live.heartbeat_due(100.49)
+    assert live.heartbeat_due(100.5)
+    assert live.next_heartbeat == 101.0
+
+
+def test_a_late_tick_schedules_the_next_heartbeat_from_itself():
+    live = Liveness(heartbeat_s=0.5, peer_timeout_s=5.0)
+    assert live.heartbeat_due(10.0)
+    assert live.heartbeat_due(12.0)  # the tick came 1.5 s late: one heartbeat, not four
+    assert not live.heartbeat_due(12.4)
+    assert live.heartbeat_due(12.5)
+
+
+def test_a_peer_is_silent_only_beyond_the_timeout():
+    live = Liveness(heartbeat_s=0.5, peer_timeout_s=5.0)
+    assert not live.silent(last_seen=10.0, now=10.0)
+    assert not live.silent(last_seen=10.0, now=15.0)
+    assert live.silent(last_seen=10.0, now=15.001)
+    assert not live.silent(last_seen=20.0, now=15.0)  # heard from after ``now`` was taken
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _threads() -> set[threading.Thread]:
+    return set(threading.enumerate())
+
+
+def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.fixture
+def taken_port():
+    """A port something else already listens on."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    yield holder.getsockname()[1]
+    holder.close()
+
+
+def test_a_prefill_that_cannot_listen_leaves_no_socket_thread_or_registration(taken_port):
+    pool = make_pool()
+    PrefillNode(make_pool(), FakeBackend()).close()  # the process's one-time ZMQ setup, before
+    fds, threads, native = _open_fds(), _threads(), _native_threads()
+    backend = FakeBackend()
+    with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{taken_port}"):
+        PrefillNode(pool, backend, listen=f"127.0.0.1:{taken_port}")
+    assert backend.closed
+    assert _threads() == threads
+    wait_for(lambda: _native_threads() == native, 5.0, "ZMQ's I/O threads ended")
+    assert _open_fds() == fds
+
+
+def test_a_decode_whose_handshake_fails_leaves_no_socket_thread_or_registration():
+    prefill = PrefillNode(make_pool(), FakeBackend())
+    try:
+        DecodeNode(make_pool(), FakeBackend(), prefill.endpoint).close()  # one-time setup
+        fds, threads, native = _open_fds(), _threads(), _native_threads()
+        backend = FakeBackend()
+        with pytest.raises(HandshakeError, match="refused the handshake"):
+            DecodeNode(make_pool({**SMALL_CONFIG, "kv_lora_rank": 256}), backend, prefill.endpoint)
+        assert backend.closed
+        assert _threads() == threads
+        wait_for(lambda: _native_threads() == native, 5.0, "ZMQ's I/O threads ended")
+        assert _open_fds() == fds
+    finally:
+        prefill.close()
+
+
+class _RefusingBackend(FakeBackend):
+    def register(self, regions):
+        raise BackendError(self.name, "register", "refused")
+
+
+def test_a_failed_registration_closes_the_backend_and_makes_no_context():
+    backend = _RefusingBackend()
+    fds = _open_fds()
+    with pytest.raises(BackendError, match="refused"):
+        NodeRuntime("n", backend, [], Counters(), on_message=lambda *a: None,
+                    on_tick=lambda now: None, heartbeat_s=0.5, peer_timeout_s=5.0)
+    assert backend.closed
+    assert _open_fds() == fds
+
+
+def test_close_stops_the_loop_then_closes_sockets_and_backend_once():
+    backend, counters = FakeBackend(), Counters()
+    ticks = []
+    runtime = NodeRuntime("n", backend, [], counters, on_message=lambda *a: None,
+                          on_tick=ticks.append, heartbeat_s=0.5, peer_timeout_s=5.0)
+    sock = runtime.socket(zmq.PAIR, 1024)
+    assert sock.getsockopt(zmq.MAXMSGSIZE) == 1024 and sock.getsockopt(zmq.LINGER) == 0
+    runtime.start([sock])
+    wait_for(lambda: ticks, what="a tick")
+    runtime.loop.bad_messages = 3  # what the loop counted: the tick copies it to the counters
+    wait_for(lambda: counters.bad_messages == 3, what="counters synced")
+    runtime.close()
+    assert backend.closed and sock.closed and runtime.context.closed
+    assert not any(t.name == "n-control" for t in threading.enumerate())
+    backend.closed = False
+    runtime.close()
+    assert not backend.closed  # the second close does nothing

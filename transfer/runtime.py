@@ -1,0 +1,101 @@
+"""What a prefill and a decode node share: engine registration, the control loop, liveness, close.
+
+``NodeRuntime`` registers the node's regions (its pool buffers and aux buffers) with the engine
+backend, and from then on owns the backend, a ZMQ context with the sockets the node makes on it
+(``socket``), and the ``ControlLoop`` that owns those sockets once started (``start``). Its tick
+runs ``backend.progress()``, then the node's tick, then copies the loop's ``bad_messages`` and
+``max_tick_gap_s`` into the node's counters. ``close`` stops the loop, closes every socket with the
+context, then closes the backend: in that order, once, and as well from a construction that
+failed half-way (the node calls it on any failure after the runtime exists; a failed registration
+closes the backend at once).
+
+``Liveness`` is the runtime's pure part (time passed in): when the next heartbeat is due, and when
+a peer that has not been heard from counts as silent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import zmq
+
+from dsa_bridge.plugin.descriptors import BufferDescriptor
+from dsa_bridge.transfer.backends.base import TransferBackend
+from dsa_bridge.transfer.control import ControlLoop, OnMessage, limit_receive
+from dsa_bridge.transfer.counters import Counters
+
+
+@dataclass
+class Liveness:
+    """A node's heartbeat schedule and its rule for a silent peer."""
+
+    heartbeat_s: float
+    peer_timeout_s: float
+    next_heartbeat: float = 0.0
+
+    def heartbeat_due(self, now: float) -> bool:
+        """True when heartbeats are due at ``now`` (at the first call, then once per
+        ``heartbeat_s``); a True schedules the next ones ``heartbeat_s`` after ``now``."""
+        if now < self.next_heartbeat:
+            return False
+        self.next_heartbeat = now + self.heartbeat_s
+        return True
+
+    def silent(self, last_seen: float, now: float) -> bool:
+        """True when a peer last heard from at ``last_seen`` has been silent for longer than
+        ``peer_timeout_s`` at ``now``."""
+        return now - last_seen > self.peer_timeout_s
+
+
+class NodeRuntime:
+    """A node's registered engine, ZMQ context and control loop, from registration to close."""
+
+    def __init__(self, name: str, backend: TransferBackend, regions: list[BufferDescriptor],
+                 counters: Counters, *, on_message: OnMessage, on_tick: Callable[[float], None],
+                 heartbeat_s: float, peer_timeout_s: float):
+        self.name = name
+        self.backend = backend
+        self.counters = counters
+        self.liveness = Liveness(heartbeat_s, peer_timeout_s)
+        self._on_tick = on_tick
+        self.closed = False
+        try:
+            backend.register(regions)
+            self.context = zmq.Context()
+        except BaseException:
+            self.closed = True
+            backend.close()
+            raise
+        self.loop = ControlLoop(name, on_message, self._tick)
+
+    def socket(self, kind: int, receive_limit: int) -> zmq.Socket:
+        """A socket of ``kind`` on the runtime's context: no linger, messages larger than
+        ``receive_limit`` dropped by ZMQ (``control.limit_receive``). Closed by ``close``."""
+        sock = self.context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        limit_receive(sock, receive_limit)
+        return sock
+
+    def start(self, sockets: Iterable[zmq.Socket]) -> None:
+        """Hand ``sockets`` to the control loop and start its thread."""
+        for sock in sockets:
+            self.loop.add_socket(sock)
+        self.loop.start()
+
+    def close(self) -> None:
+        """Stop the loop, close the sockets and the context, close the backend; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.loop.stop()
+        self.context.destroy(0)
+        self.backend.close()
+
+    def _tick(self, now: float) -> None:
+        self.backend.progress()
+        try:
+            self._on_tick(now)
+        finally:
+            self.counters.bad_messages = self.loop.bad_messages
+            self.counters.max_tick_gap_s = self.loop.max_tick_gap_s

@@ -197,13 +197,18 @@ class _PrefillServer:
                 "max_tick_gap_ms": 1e3 * self.node._loop.max_tick_gap_s}
 
     def idle_gap(self, seconds: float) -> dict:
-        poller = zmq.Poller()
-        start = last = time.monotonic()
-        gap = 0.0
-        while last - start < seconds:
-            poller.poll(CONTROL_POLL_MS)
-            now = time.monotonic()
-            gap, last = max(gap, now - last), now
+        poller, (quiet, unused) = zmq.Poller(), os.pipe()  # a poller with nothing would not wait
+        poller.register(quiet, zmq.POLLIN)
+        try:
+            start = last = time.monotonic()
+            gap = 0.0
+            while last - start < seconds:
+                poller.poll(CONTROL_POLL_MS)
+                now = time.monotonic()
+                gap, last = max(gap, now - last), now
+        finally:
+            os.close(quiet)
+            os.close(unused)
         return {"max_gap_ms": 1e3 * gap}
 
     def raw(self, requests: list) -> dict:

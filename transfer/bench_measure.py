@@ -18,6 +18,10 @@ over a private ZMQ PAIR socket; every command (a msgpack map) gets one answer:
   prefill spent checksumming them), and its control thread's longest interval between two
   ticks since the last ``send`` (``max_tick_gap_ms``: how long the writer's engine calls kept
   heartbeats and deadlines waiting).
+- ``idle_gap``: the longest interval between two passes of a bare loop that only polls (as the
+  node's control loop does when idle: ``CONTROL_POLL_MS``) for the given seconds, in the child,
+  with no write in flight: the baseline for ``max_tick_gap_ms``, what the machine alone gives a
+  thread that wakes every 2 ms (``idle_tick_gap_ms``).
 - ``raw``: plan the given (src, dst) page lists with ``plan_writes`` (timed on its own), join the
   plans and time one ``backend.write`` of all of them: pre-built descriptors, one batch.
 - ``teardown`` (close the node) and ``quit``.
@@ -77,6 +81,8 @@ WRITE_TIMEOUT_S = 120.0
 IDLE_EXIT_S = 900.0
 PLAN_REPEAT = 5
 POOL_REPEAT = 7  # pool operations are cheap: more pairs than --quick's 3 steady their median
+CONCURRENCY_REPEAT = 7  # the concurrency target's points: their ratio is a median of pairs too
+CONTROL_POLL_MS = 2  # ControlLoop's default poll timeout, which the idle_gap loop mirrors
 
 
 @dataclass(frozen=True)
@@ -190,6 +196,21 @@ class _PrefillServer:
         return {"checksum_seconds": self.node.counters.snapshot()["checksum_seconds"],
                 "max_tick_gap_ms": 1e3 * self.node._loop.max_tick_gap_s}
 
+    def idle_gap(self, seconds: float) -> dict:
+        poller, (quiet, unused) = zmq.Poller(), os.pipe()  # a poller with nothing would not wait
+        poller.register(quiet, zmq.POLLIN)
+        try:
+            start = last = time.monotonic()
+            gap = 0.0
+            while last - start < seconds:
+                poller.poll(CONTROL_POLL_MS)
+                now = time.monotonic()
+                gap, last = max(gap, now - last), now
+        finally:
+            os.close(quiet)
+            os.close(unused)
+        return {"max_gap_ms": 1e3 * gap}
+
     def raw(self, requests: list) -> dict:
         pages = [(np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)) for s, d in requests]
         plan_seconds = []
@@ -219,7 +240,7 @@ class _PrefillServer:
 def serve(control: str) -> int:
     """The child's command loop; it ends on ``quit``, when its parent is gone, or when idle."""
     commands = {"setup": "setup", "peer": "set_peer", "send": "send", "stats": "stats", "raw": "raw",
-                "teardown": "teardown"}
+                "idle_gap": "idle_gap", "teardown": "teardown"}
     server = _PrefillServer()
     parent = os.getppid()
     context = zmq.Context()
@@ -378,6 +399,10 @@ class TransferSession:
             self.node.forget(receiver)
         return result
 
+    def idle_gap(self, seconds: float) -> float:
+        """The longest gap of a bare 2 ms poll loop in the child over ``seconds``, no write running."""
+        return self.child.call("idle_gap", seconds=seconds)["max_gap_ms"]
+
     def raw(self, requests: list[tuple[np.ndarray, np.ndarray]]) -> dict:
         """The raw engine on the same pages: write and plan seconds, descriptors, bytes."""
         return self.child.call("raw", requests=[[s.tolist(), d.tolist()] for s, d in requests])
@@ -458,23 +483,28 @@ class Memcpy:
         self._src = self._dst = np.zeros(0, dtype=np.uint8)
 
 
-def measure(session: TransferSession, memcpy: Memcpy, requests: list, repeat: int) -> dict:
+def measure(session: TransferSession, memcpy: Memcpy, requests: list, repeat: int, *,
+            idle_probe: bool = False) -> dict:
     """End-to-end, end-to-end with checksums, raw engine and memcpy on the same requests,
     interleaved: medians of each, and ``ratio_vs_raw`` (and ``overhead_ms``, what dsa-bridge adds
     to a request) as the median of the ratios (differences) of back-to-back pairs, which a drift
     of the machine's load affects least; ``checksum_share`` as the median over the checksummed
-    runs of each one's checksum seconds over its own end-to-end seconds; every sample is kept."""
+    runs of each one's checksum seconds over its own end-to-end seconds; every sample is kept.
+    ``idle_probe``: after each end-to-end run, the child's bare poll loop for as long as that
+    run took (``idle_tick_gap_ms``, the machine's own gap next to ``max_tick_gap_ms``)."""
     layers, buffers = session.geometry.layers, session.geometry.buffers
     expected = sum(runs(src, dst) for src, dst in requests) * buffers
     session.end_to_end(requests)  # warm-up: the engine's paths, caches, the planner
     session.end_to_end(requests, checksums=True)
-    e2e, raw, copy, plan, summed, shares, gaps = [], [], [], [], [], [], []
+    e2e, raw, copy, plan, summed, shares, gaps, idle = [], [], [], [], [], [], [], []
     for i in range(repeat):
         for kind in ("e2e", "sums", "raw") if i % 2 == 0 else ("raw", "sums", "e2e"):
             if kind == "e2e":
                 transfer = session.end_to_end(requests)
                 e2e.append(transfer.seconds)
                 gaps.append(transfer.max_tick_gap_ms)
+                if idle_probe:
+                    idle.append(session.idle_gap(transfer.seconds))
             elif kind == "sums":
                 checked = session.end_to_end(requests, checksums=True)
                 summed.append(checked.seconds)
@@ -506,7 +536,8 @@ def measure(session: TransferSession, memcpy: Memcpy, requests: list, repeat: in
         "e2e_checksums_gbps": gbps(nbytes, statistics.median(summed)),
         "checksum_share": statistics.median(shares), "e2e_checksums_samples_s": summed,
         "checksum_share_samples": shares,
-        "max_tick_gap_ms": max(gaps), "max_tick_gap_samples_ms": gaps,
+        "max_tick_gap_ms": max(gaps), "max_tick_gap_samples_ms": gaps, "repeat": repeat,
+        **({"idle_tick_gap_ms": max(idle), "idle_tick_gap_samples_ms": idle} if idle else {}),
     }
 
 
@@ -559,8 +590,10 @@ def measure_geometry(child: PrefillChild, backend: str, geometry: Geometry, poin
     memcpy = Memcpy()
     try:
         for sweep, pattern, pages, count in points:
+            rounds = max(repeat, CONCURRENCY_REPEAT) if sweep == "concurrency" else repeat
             row = {"backend": backend, "sweep": sweep, "pattern": pattern,
-                   **measure(session, memcpy, page_ids(pattern, pages, count), repeat)}
+                   **measure(session, memcpy, page_ids(pattern, pages, count), rounds,
+                             idle_probe=sweep == "length")}
             rows.append(row)
             progress(f"{backend} {geometry.model} x{geometry.layers} {geometry.indexer_layout} "
                      f"{sweep} {row['tokens']} "

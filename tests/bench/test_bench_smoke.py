@@ -53,6 +53,8 @@ def test_tiny_bench_reports_every_figure(tmp_path):
     assert report["get_cpu_copy_vs_fresh_memcpy"] > 0
     assert report["targets_met"]["descriptors_exact"] is True
     assert set(report["transports"]) == set(backends)
+    for key in ("max_tick_gap_ms", "idle_tick_gap_ms", "concurrent_ratio_vs_raw"):
+        assert set(report[key]) == set(backends), key
     for backend in backends:  # GLM-5.2: 78 KV + 21 indexer buffers against 78 + 78
         ratios = report["compact_vs_uniform"][backend]
         assert ratios["bytes_ratio"] == (78 * 36_864 + 21 * 8448) / (78 * 36_864 + 78 * 8448)
@@ -66,8 +68,13 @@ def test_tiny_bench_reports_every_figure(tmp_path):
     for row in report["transfer"]:
         assert all(row[key] > 0 for key in ROW_FIGURES), row
         assert row["descriptors"] == row["runs"] * row["buffers"]
-        assert len(row["e2e_samples_s"]) == len(row["raw_samples_s"]) == report["repeat"]
-        assert len(row["checksum_share_samples"]) == report["repeat"]
+        rounds = max(report["repeat"], 7) if row["sweep"] == "concurrency" else report["repeat"]
+        assert len(row["e2e_samples_s"]) == len(row["raw_samples_s"]) == row["repeat"] == rounds
+        assert len(row["checksum_share_samples"]) == rounds
+        if row["sweep"] == "length":  # the machine's own tick gap, next to the control thread's
+            assert len(row["idle_tick_gap_samples_ms"]) == rounds
+            assert row["idle_tick_gap_ms"] == max(row["idle_tick_gap_samples_ms"])
+            assert min(row["idle_tick_gap_samples_ms"]) >= 1.9  # the loop waits 2 ms each pass
     for row in report["plan"]:
         assert row["seconds"] > 0 and row["descriptors"] == row["runs"] * 61 * 2
         assert all(share > 0 for share in row["share"].values())

@@ -224,10 +224,10 @@ def test_a_decode_the_prefill_dropped_comes_back_within_its_peer_timeout():
                         peer_timeout_s=2.0, heartbeat_s=0.1)
     try:
         with decode._lock:  # decode sends no heartbeat for a while
-            decode.heartbeat_s, decode._next_heartbeat = 1000.0, time.monotonic() + 1000.0
+            decode._liveness.next_heartbeat = time.monotonic() + 1000.0
         wait_for(lambda: not prefill.peers(), 10, "prefill dropping the silent decode")
         with decode._lock:
-            decode.heartbeat_s, decode._next_heartbeat = 0.1, 0.0
+            decode._liveness.next_heartbeat = 0.0
         outcomes = []
         for room in range(1, 6):
             fill_request(prefill.pool, room, PAGES)

@@ -28,7 +28,7 @@ import msgspec
 
 from dsa_bridge.plugin.descriptors import BufferDescriptor, validate_descriptors
 from dsa_bridge.plugin.layout import DSALayout
-from dsa_bridge.transfer.plan import BufferPair, PlanError, pair_buffers
+from dsa_bridge.transfer.plan import PairTable, PlanError, pair_buffers
 from dsa_bridge.transfer.protocol import MAX_BUFFERS, MAX_LAYERS, PROTOCOL_VERSION
 
 BufferKey = tuple[int, str]  # (global layer id, cache kind)
@@ -132,7 +132,7 @@ def check_stages(decode: DSALayout, stages: Sequence[tuple[str, DSALayout]]) -> 
 
 
 def pair_with_peer(peer_layout: DSALayout, local: list[BufferDescriptor], peer: list[BufferDescriptor],
-                   keys: Sequence[BufferKey]) -> list[BufferPair]:
+                   keys: Sequence[BufferKey]) -> PairTable:
     """Validate the peer's announced buffers against its layout and pair the ``keys`` buffers
     with ours by global layer id; the pairs are the only addresses writes may ever target. The
     count is checked first: exactly one buffer per layer and one per indexer of its layout."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -32,6 +33,44 @@ class BufferPair:
 
     src: BufferDescriptor
     dst: BufferDescriptor
+
+
+class PairTable(Sequence[BufferPair]):
+    """Buffer pairs, and the arrays every chunk's plan reads from them (pointers, item lengths,
+    the smallest page count of either side), built once per peer instead of once per chunk."""
+
+    def __init__(self, pairs: Iterable[BufferPair]):
+        self._pairs = tuple(pairs)
+        self.src_ptr = np.array([p.src.ptr for p in self._pairs], dtype=np.int64)
+        self.dst_ptr = np.array([p.dst.ptr for p in self._pairs], dtype=np.int64)
+        self.item_len = np.array([p.src.item_len for p in self._pairs], dtype=np.int64)
+        self.src_pages = min((p.src.num_items for p in self._pairs), default=0)
+        self.dst_pages = min((p.dst.num_items for p in self._pairs), default=0)
+
+    def __getitem__(self, index):
+        return self._pairs[index]
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    __hash__ = None
+
+    @cached_property
+    def layer_ids(self) -> frozenset[int]:
+        return frozenset(p.src.layer_id for p in self._pairs)
+
+    def of_layers(self, layers: frozenset[int] | None) -> PairTable:
+        """The pairs of those global layer ids (``None``, or every layer held: this table)."""
+        if layers is None or self.layer_ids <= layers:
+            return self
+        return PairTable(p for p in self._pairs if p.src.layer_id in layers)
+
+
+def as_table(pairs: Sequence[BufferPair]) -> PairTable:
+    return pairs if isinstance(pairs, PairTable) else PairTable(pairs)
 
 
 @dataclass(frozen=True)
@@ -59,7 +98,7 @@ def _order(key: tuple[int, str]) -> tuple[int, int]:
 
 
 def pair_buffers(local: Sequence[BufferDescriptor], remote: Sequence[BufferDescriptor],
-                 keys: Iterable[tuple[int, str]] | None = None) -> list[BufferPair]:
+                 keys: Iterable[tuple[int, str]] | None = None) -> PairTable:
     """Pair the ``keys`` buffers (global layer id, kind) of both sides, never by position;
     ``None``: every local buffer, and the peer must hold exactly the same set. Item lengths must
     be equal; empty or null buffers are refused."""
@@ -93,7 +132,7 @@ def pair_buffers(local: Sequence[BufferDescriptor], remote: Sequence[BufferDescr
     if extra:
         layer, kind = extra[0]
         raise PlanError(f"peer has a {kind} buffer for layer {layer} that this side lacks")
-    return pairs
+    return PairTable(pairs)
 
 
 def as_page_ids(pages: object, name: str) -> np.ndarray:
@@ -123,7 +162,7 @@ def check_pages(pages: np.ndarray, limit: int, name: str) -> None:
 def check_destination(pairs: Sequence[BufferPair], dst_pages: object) -> np.ndarray:
     """Decode's page ids for a request, checked against every buffer it announced."""
     dst = as_page_ids(dst_pages, "dst_pages")
-    check_pages(dst, min(p.dst.num_items for p in pairs), "dst_pages")
+    check_pages(dst, as_table(pairs).dst_pages, "dst_pages")
     return dst
 
 
@@ -151,17 +190,16 @@ def plan_writes(pairs: Sequence[BufferPair], src_pages: object, dst_pages: objec
         raise PlanError(f"src_pages has {src.size} pages but dst_pages has {dst.size}")
     if not pairs:
         raise PlanError("no buffers to transfer")
-    check_pages(src, min(p.src.num_items for p in pairs), "src_pages")
-    check_pages(dst, min(p.dst.num_items for p in pairs), "dst_pages")
+    table = as_table(pairs)
+    check_pages(src, table.src_pages, "src_pages")
+    check_pages(dst, table.dst_pages, "dst_pages")
 
     src_start, dst_start, run_len = coalesce_runs(src, dst)
-    src_ptr = np.array([p.src.ptr for p in pairs], dtype=np.int64)[:, None]
-    dst_ptr = np.array([p.dst.ptr for p in pairs], dtype=np.int64)[:, None]
-    item_len = np.array([p.src.item_len for p in pairs], dtype=np.int64)[:, None]
+    item_len = table.item_len[:, None]
     return WritePlan(
-        src=(src_ptr + src_start[None, :] * item_len).ravel().astype(np.uint64),
-        dst=(dst_ptr + dst_start[None, :] * item_len).ravel().astype(np.uint64),
-        length=(run_len[None, :] * item_len).ravel().astype(np.uint64),
+        src=(table.src_ptr[:, None] + src_start * item_len).ravel().view(np.uint64),
+        dst=(table.dst_ptr[:, None] + dst_start * item_len).ravel().view(np.uint64),
+        length=(run_len * item_len).ravel().view(np.uint64),
         runs=int(run_len.size),
     )
 

@@ -42,6 +42,7 @@ from dsa_bridge.transfer.handshake import (
 from dsa_bridge.transfer.plan import (
     AUX_KIND,
     BufferPair,
+    PairTable,
     PlanError,
     as_aux_buffers,
     as_page_ids,
@@ -63,7 +64,7 @@ class DecodePeer:
     identity: bytes
     node: str
     engine_peer: str
-    pairs: list[BufferPair]
+    pairs: PairTable
     last_seen: float
     rooms: set[int] = field(default_factory=set)
     session: bytes = b""  # decode's session: a later Hello of it ends this epoch
@@ -308,7 +309,7 @@ class PrefillNode:
 
     # ---- the writer's outcomes (a lane's thread) -------------------------------------------
 
-    def _prepare(self, job: Job, pairs: list[BufferPair]) -> protocol.PageChecksums | None:
+    def _prepare(self, job: Job, pairs: PairTable) -> protocol.PageChecksums | None:
         """What a chunk needs before its write: its page checksums, when they are on."""
         return self._checksums(job.pages, job.offset, pairs) if self.checksums else None
 
@@ -329,7 +330,7 @@ class PrefillNode:
             if sender.state.status == KVPoll.Failed:
                 self._report_failure_locked(sender, in_flight=result.in_flight)
 
-    def _checksums(self, pages: np.ndarray, offset: int, pairs: list[BufferPair]) -> protocol.PageChecksums:
+    def _checksums(self, pages: np.ndarray, offset: int, pairs: PairTable) -> protocol.PageChecksums:
         started = time.perf_counter()
         if self._views is None:
             self._views = checksum.pool_views(self.pool)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from dsa_bridge.plugin.descriptors import BufferDescriptor
 from dsa_bridge.transfer.plan import (
+    PairTable,
     PlanError,
     as_aux_buffers,
     check_aux_index,
@@ -215,3 +216,27 @@ def test_aux_pairs_by_position_with_equal_counts_and_item_lens(remote, message):
 def test_bad_aux_buffers_refused(infos, message):
     with pytest.raises(PlanError, match=message):
         as_aux_buffers(infos)
+
+
+def test_a_pair_table_plans_exactly_what_its_pairs_do():
+    table = pairs(layers=(4, 7, 9), src_pages=100, dst_pages=80)
+    listed = list(table)
+    assert isinstance(table, PairTable) and table == listed and len(table) == 6
+    assert (table.src_pages, table.dst_pages) == (100, 80)
+    src, dst = np.array([3, 4, 5, 9]), np.array([10, 11, 12, 70])
+    fast, slow = plan_writes(table, src, dst), plan_writes(listed, src, dst)
+    for key in ("src", "dst", "length"):
+        assert getattr(fast, key).dtype == np.uint64
+        assert getattr(fast, key).tolist() == getattr(slow, key).tolist()
+    assert fast.runs == slow.runs == 2
+    with pytest.raises(PlanError, match="dst_pages contains page 80, beyond the registered 80"):
+        plan_writes(table, [1], [80])
+
+
+def test_a_pair_table_of_some_layers_holds_only_their_pairs():
+    table = pairs(layers=(4, 7, 9))
+    assert table.of_layers(None) is table and table.of_layers(frozenset({4, 7, 9, 11})) is table
+    seven = table.of_layers(frozenset({7, 11}))
+    assert [(p.src.layer_id, p.src.kind) for p in seven] == [(7, "kv"), (7, "index")]
+    assert seven.src_ptr.tolist() == [p.src.ptr for p in seven]
+    assert len(table.of_layers(frozenset({5}))) == 0

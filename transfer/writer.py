@@ -8,10 +8,12 @@ ids, so that layers can be sent as they are computed). Jobs queue per engine pee
 its own lane and thread, so a frozen, silent or slow decode node delays only the chunks queued
 for it, never another node's.
 
-A lane takes every job queued for its peer, skips those whose request has failed meanwhile,
-plans each of the others (``plan.plan_writes`` over the job's pairs; a job that cannot be
-planned fails alone, before any write), concatenates the plans and submits them as one engine
-write; the backend splits it only where the engine's batch limits require. When that write
+``submit`` plans a job in the caller's thread (``plan.plan_writes`` over the job's pairs), so
+that planning the next chunks overlaps the engine write in flight instead of holding up the
+next one. A lane takes every job queued for its peer, skips those whose request has failed
+meanwhile and those that could not be planned (each fails alone, before any write), takes their
+page checksums when they are on, concatenates the plans and submits them as one engine write;
+the backend splits it only where the engine's batch limits require. When that write
 fails, every request in the batch fails as in flight: any of its bytes may still land. Each
 job's outcome goes back to the node through ``finish``, in queue order, exactly once; until
 then the node counts the job in ``KVSender.busy``.
@@ -33,7 +35,15 @@ import numpy as np
 
 from dsa_bridge.transfer import checksum, protocol
 from dsa_bridge.transfer.backends.base import BackendError, TransferBackend
-from dsa_bridge.transfer.plan import BufferPair, PlanError, WritePlan, plan_writes, with_aux_writes
+from dsa_bridge.transfer.plan import (
+    BufferPair,
+    PairTable,
+    PlanError,
+    WritePlan,
+    as_table,
+    plan_writes,
+    with_aux_writes,
+)
 from dsa_bridge.transfer.request import KVPoll
 
 log = logging.getLogger(__name__)
@@ -59,12 +69,10 @@ class Job:
     aux_src: int | None = None  # from this slot of prefill's aux buffers
     aux_dst: int | None = None  # into this slot of decode's (None: decode asked for none)
 
-    def buffer_pairs(self) -> list[BufferPair]:
-        if self.layers is None:
-            return list(self.pairs)
-        return [pair for pair in self.pairs if pair.src.layer_id in self.layers]
+    def buffer_pairs(self) -> PairTable:
+        return as_table(self.pairs).of_layers(self.layers)
 
-    def plan(self, pairs: Sequence[BufferPair]) -> WritePlan:
+    def plan(self, pairs: PairTable) -> WritePlan:
         """The chunk's writes into ``pairs`` (and, with the last chunk, the aux slots)."""
         plan = plan_writes(pairs, self.pages, self.dst_pages)
         return with_aux_writes(plan, self.aux_pairs, self.aux_src, self.aux_dst) if self.last else plan
@@ -89,7 +97,7 @@ class Result:
     batch_jobs: int = 1
 
 
-Prepare = Callable[[Job, list[BufferPair]], "protocol.PageChecksums | None"]
+Prepare = Callable[[Job, PairTable], "protocol.PageChecksums | None"]
 
 
 def join_plans(plans: Sequence[WritePlan]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -103,10 +111,30 @@ def shares(seconds: float, plans: Sequence[WritePlan]) -> list[float]:
     return [seconds * p.nbytes / total if total else seconds / len(plans) for p in plans]
 
 
+@dataclass(frozen=True)
+class _Planned:
+    """A queued job with its plan, or why it has none (``in_flight``: a bug, not bad pages)."""
+
+    job: Job
+    plan: WritePlan | None
+    failure: str = ""
+    in_flight: bool = False
+
+
+def plan_job(job: Job) -> _Planned:
+    try:
+        return _Planned(job, job.plan(job.buffer_pairs()))
+    except PlanError as exc:
+        return _Planned(job, None, f"bad pages: {exc}")
+    except Exception as exc:  # a bug must fail the request, not the caller
+        log.exception("room %d: planning a chunk failed", job.sender.room)
+        return _Planned(job, None, f"internal error: {type(exc).__name__}: {exc}", in_flight=True)
+
+
 class _Lane:
     def __init__(self, peer: str):
         self.peer = peer
-        self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[_Planned | None] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
 
 
@@ -127,7 +155,9 @@ class Writer:
         self.batches = 0  # engine writes submitted (each of one or more jobs)
 
     def submit(self, job: Job) -> None:
-        """Queue ``job`` on its peer's lane (starting the lane's thread if it has none)."""
+        """Plan ``job`` and queue it on its peer's lane (starting the lane's thread if it has
+        none); its outcome, a planning failure too, reaches ``finish`` from the lane."""
+        planned = plan_job(job)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name}: the writer is closed")
@@ -137,7 +167,7 @@ class Writer:
                 lane.thread = threading.Thread(target=self._run, args=(lane,), daemon=True,
                                                name=f"{self.name}-writer-{job.engine_peer}")
                 lane.thread.start()
-            lane.jobs.put(job)
+            lane.jobs.put(planned)
 
     def lanes(self) -> list[str]:
         with self._lock:
@@ -183,20 +213,19 @@ class Writer:
             if stop:
                 return
 
-    def _write(self, peer: str, jobs: list[Job]) -> None:
-        """Plan every live job, write them in one engine write, report each outcome."""
+    def _write(self, peer: str, jobs: list[_Planned]) -> None:
+        """Checksum every live planned job, write them in one engine write, report each outcome."""
         planned: list[tuple[Job, WritePlan, protocol.PageChecksums | None]] = []
-        for job in jobs:
+        for entry in jobs:
+            job = entry.job
             if job.sender.state.status == KVPoll.Failed:
                 self._report(Result(job, ok=False))
                 continue
-            try:
-                pairs = job.buffer_pairs()
-                plan = job.plan(pairs)
-                sums = self._prepare(job, pairs)
-            except PlanError as exc:
-                self._report(Result(job, ok=False, reason=f"bad pages: {exc}"))
+            if entry.plan is None:
+                self._report(Result(job, ok=False, reason=entry.failure, in_flight=entry.in_flight))
                 continue
+            try:
+                sums = self._prepare(job, job.buffer_pairs())
             except checksum.ChecksumError as exc:
                 self._report(Result(job, ok=False, reason=str(exc)))
                 continue
@@ -205,7 +234,7 @@ class Writer:
                 self._report(Result(job, ok=False, in_flight=True,
                                     reason=f"internal error: {type(exc).__name__}: {exc}"))
                 continue
-            planned.append((job, plan, sums))
+            planned.append((job, entry.plan, sums))
         if not planned:
             return
         plans = [plan for _, plan, _ in planned]

@@ -1,5 +1,6 @@
 """The writer on its own, over the in-process memmove engine: jobs queued for one peer go out in
-one engine write, a failed write fails every job in it as in flight, a job that cannot be planned
+one engine write, a job is planned when it is submitted (so planning overlaps the write in
+flight), a failed write fails every job in it as in flight, a job that cannot be planned
 fails alone, a job of a failed request is skipped, a layer range plans only its layers' pairs,
 and a peer whose write hangs delays no other peer. Real engines in real processes:
 tests/reliability/test_isolation.py."""
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from dsa_bridge.plugin.descriptors import BufferDescriptor, raw_region
+from dsa_bridge.transfer import writer as writer_module
 from dsa_bridge.transfer.plan import BufferPair, plan_writes
 from dsa_bridge.transfer.request import KVPoll
 from dsa_bridge.transfer.writer import Job, Result, Writer, join_plans, shares
@@ -120,6 +122,27 @@ def test_jobs_queued_for_one_peer_go_out_in_one_engine_write(rig):
                 assert (peers[0].page(layer, kind, 3 * i) == 1).all()
                 assert (peers[0].page(layer, kind, 3 * i + 1) == 1).all()
     assert (peers[0].page(LAYERS[0], "kv", 1) == 0).all()  # never a target: untouched
+
+
+def test_a_job_is_planned_when_submitted_while_the_lane_still_writes(rig, monkeypatch):
+    writer, engine, src, peers, pairs, results = rig()
+    planned_in: list[threading.Thread] = []
+
+    def plan_writes_recorded(*args):
+        planned_in.append(threading.current_thread())
+        return plan_writes(*args)
+
+    monkeypatch.setattr(writer_module, "plan_writes", plan_writes_recorded)
+    engine.held.add(peers[0].engine.id)
+    writer.submit(job(_Sender(0), peers[0], pairs[0], [1], [1]))
+    wait_for(engine.entered.is_set, what="the first write held")
+    for room in (1, 2, 3):
+        writer.submit(job(_Sender(room), peers[0], pairs[0], [room + 1], [room + 1]))
+    assert planned_in == [threading.current_thread()] * 4  # all of them, before the write ends
+    assert not results
+    engine.release.set()
+    wait_for(lambda: len(results) == 4, what="every job finished")
+    assert all(r.ok for r in results) and len(planned_in) == 4
 
 
 def test_a_failed_batch_fails_every_job_in_it_as_in_flight(rig):

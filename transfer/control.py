@@ -3,13 +3,15 @@
 Other threads never touch a socket; they queue messages with ``send``, which also wakes the loop
 through a pipe so that a queued message leaves at once rather than at the next poll timeout. The
 loop sends what is queued, decodes what arrives (a malformed message is counted and dropped, never
-fatal), and calls the node's ``on_tick`` every few milliseconds for heartbeats, deadlines and
-engine progress.
+fatal), and calls the node's ``on_tick`` every ``poll_ms`` for heartbeats, deadlines and engine
+progress: on its schedule, not after every message, so that a burst of messages does not run the
+node's whole tick (and NIXL's progress, which waits for the agent lock) once per message.
 
 The work between two ticks is bounded, so that no peer can starve the tick: each round takes at
 most ``batch`` messages, one socket after another (a ROUTER socket fair-queues its own peers), and
-stops early once ``budget_s`` has passed; then the tick runs, whatever is still queued. A round
-therefore lasts at most ``budget_s`` plus the handling of one message, whose size the socket's
+stops early once ``budget_s`` has passed; a round cut short so runs the tick next, due or not,
+whatever is still queued. A round therefore lasts at most ``budget_s`` plus the handling of one
+message, whose size the socket's
 receive limit (``limit_receive``, ZMQ_MAXMSGSIZE: larger messages are dropped by ZMQ before any
 allocation and their connection is closed) and the protocol's bounds keep small. Dropped messages
 are logged one by one up to ``LOG_BURST`` per second and summarised beyond that, so that a flood
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import queue
 import threading
@@ -170,10 +173,11 @@ class ControlLoop:
             self._dropped(f"{type(exc).__name__}: {exc}", bug=True)
         return True
 
-    def _receive(self, ready: list[zmq.Socket]) -> None:
-        """One round: up to ``batch`` messages, the ready sockets in turn, within the budget."""
+    def _receive(self, ready: list[zmq.Socket]) -> bool:
+        """One round: up to ``batch`` messages, the ready sockets in turn, within the budget;
+        True when the batch or the budget ended it (messages may still be waiting)."""
         if not ready:
-            return
+            return False
         start = self._next % len(ready)
         pending = ready[start:] + ready[:start]
         self._next += 1
@@ -186,7 +190,8 @@ class ControlLoop:
                     continue
                 taken += 1
                 if taken >= self._batch or time.monotonic() >= deadline:
-                    return
+                    return True
+        return False
 
     def _dropped(self, error: str, *, bug: bool) -> None:
         self.bad_messages += 1
@@ -214,16 +219,19 @@ class ControlLoop:
         for sock in self._sockets:
             poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        last_tick = self._window_start = time.monotonic()
+        last_tick = next_tick = self._window_start = time.monotonic()
         while not self._stop.is_set():
             self._flush()
-            events = dict(poller.poll(self._poll_ms))
+            wait_ms = math.ceil(max(0.0, next_tick - time.monotonic()) * 1e3)
+            events = dict(poller.poll(wait_ms))
             if self._wake_r in events:
                 self._drain_wakes()
-            self._receive([sock for sock in self._sockets if sock in events])
+            cut = self._receive([sock for sock in self._sockets if sock in events])
             now = time.monotonic()
+            if not cut and now < next_tick:
+                continue
             self.max_tick_gap_s = max(self.max_tick_gap_s, now - last_tick)
-            last_tick = now
+            last_tick, next_tick = now, now + self._poll_ms / 1e3
             try:
                 self._on_tick(now)
             except Exception:  # a bug in a tick must not silently stop heartbeats

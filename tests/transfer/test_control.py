@@ -3,7 +3,8 @@ receive limit.
 
 A socket queued full of messages (junk or valid) must not keep the tick from running: at most
 ``batch`` messages, and no more than the time budget allows, are handled between two ticks, and
-the sockets take turns. Messages beyond a socket's receive limit never reach the loop; the
+the sockets take turns. The tick keeps its schedule when messages arrive one at a time (not one
+tick per message). Messages beyond a socket's receive limit never reach the loop; the
 connection they came on is closed and the sender may reconnect.
 """
 
@@ -102,6 +103,26 @@ def test_at_most_a_batch_is_handled_between_two_ticks(context):
     assert len(recorder.handled) == 5000
     assert max(steps) == 16  # full batches while the queue lasted, never more
     assert len(recorder.at_tick) >= 5000 // 16
+
+
+def test_the_tick_keeps_its_schedule_while_messages_arrive_one_by_one(context):
+    pair = Pair(context)
+    recorder = Recorder()
+    loop = ControlLoop("t", recorder.on_message, recorder.on_tick, poll_ms=20)
+    loop.add_socket(pair.inbox)
+    loop.start()
+    try:
+        started = time.monotonic()
+        for _ in range(200):  # each one wakes the loop
+            pair.push.send(HEARTBEAT)
+            time.sleep(0.001)
+        wait_for(lambda: len(recorder.handled) == 200, 10, "every message handled")
+        elapsed = time.monotonic() - started
+    finally:
+        loop.stop()
+        pair.close()
+    # one tick per 20 ms, plus one per round a backlog of over 64 messages might cut short
+    assert 2 <= len(recorder.at_tick) <= elapsed / 0.020 + 1 + 200 // control.BATCH
 
 
 def test_the_time_budget_ends_a_round_before_its_batch(context):

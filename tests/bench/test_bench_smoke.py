@@ -16,6 +16,7 @@ import pytest
 
 from dsa_bridge.transfer.backends import BACKENDS
 from dsa_bridge.transfer.bench import SIZES
+from dsa_bridge.transfer.bench_measure import CONCURRENCY_REPEAT
 
 from ..conftest import engine_problem
 
@@ -68,7 +69,9 @@ def test_tiny_bench_reports_every_figure(tmp_path):
     for row in report["transfer"]:
         assert all(row[key] > 0 for key in ROW_FIGURES), row
         assert row["descriptors"] == row["runs"] * row["buffers"]
-        rounds = max(report["repeat"], 7) if row["sweep"] == "concurrency" else report["repeat"]
+        rounds = report["repeat"]
+        if row["sweep"] == "concurrency":
+            rounds = max(rounds, CONCURRENCY_REPEAT)
         assert len(row["e2e_samples_s"]) == len(row["raw_samples_s"]) == row["repeat"] == rounds
         assert len(row["checksum_share_samples"]) == rounds
         if row["sweep"] == "length":  # the machine's own tick gap, next to the control thread's

@@ -9,13 +9,13 @@ node's whole tick (and NIXL's progress, which waits for the agent lock) once per
 
 The work between two ticks is bounded, so that no peer can starve the tick: each round takes at
 most ``batch`` messages, one socket after another (a ROUTER socket fair-queues its own peers), and
-stops early once ``budget_s`` has passed; a round cut short so runs the tick next, due or not,
-whatever is still queued. A round therefore lasts at most ``budget_s`` plus the handling of one
-message, whose size the socket's
-receive limit (``limit_receive``, ZMQ_MAXMSGSIZE: larger messages are dropped by ZMQ before any
-allocation and their connection is closed) and the protocol's bounds keep small. Dropped messages
-are logged one by one up to ``LOG_BURST`` per second and summarised beyond that, so that a flood
-cannot turn into a flood of log lines. ``max_tick_gap_s`` is the longest time between two ticks.
+stops early once ``budget_s`` has passed; a round so cut short is followed by the tick, due or
+not, whatever is still queued. A round therefore lasts at most ``budget_s`` plus the handling of
+one message, whose size the socket's receive limit (``limit_receive``, ZMQ_MAXMSGSIZE: larger
+messages are dropped by ZMQ before any allocation and their connection is closed) and the
+protocol's bounds keep small. Dropped messages are logged one by one up to ``LOG_BURST`` per
+second and summarised beyond that, so that a flood cannot turn into a flood of log lines.
+``max_tick_gap_s`` is the longest time between two ticks.
 """
 
 from __future__ import annotations

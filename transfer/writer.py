@@ -122,6 +122,7 @@ class _Planned:
 
 
 def plan_job(job: Job) -> _Planned:
+    """``job`` with its plan, or with the reason it cannot be planned."""
     try:
         return _Planned(job, job.plan(job.buffer_pairs()))
     except PlanError as exc:

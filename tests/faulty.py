@@ -8,7 +8,8 @@ its backend wrapped here) by the environment, read once at start-up:
   then raises BackendError, as a failed Mooncake batch leaves part of its data written;
 - ``DSA_BRIDGE_FAULT_WRITE_DELAY_MS=D``: every write writes the first half of its descriptors,
   sleeps D ms, then writes the rest, so a write stays in flight (bytes still landing) long enough
-  for a test to abort its request or kill a node meanwhile;
+  for a test to abort its request or kill a node meanwhile (``HALF_LANDED`` is logged, with the
+  peer, when the sleep begins);
 - ``DSA_BRIDGE_FAULT_FLIP_EVERY=N``: every Nth write lands whole, then one byte of its
   destination is flipped — the last byte of its middle descriptor, overwritten through the
   engine with the inverse of the source byte — as corruption on the way would leave it, for the
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 EVERY_ENV = "DSA_BRIDGE_FAULT_WRITE_EVERY"
 DELAY_ENV = "DSA_BRIDGE_FAULT_WRITE_DELAY_MS"
 FLIP_ENV = "DSA_BRIDGE_FAULT_FLIP_EVERY"
+HALF_LANDED = "TEST-ONLY fault: half of a write landed, the rest follows after the delay"
 
 
 class FaultyBackend:
@@ -84,6 +86,7 @@ class FaultyBackend:
                                peer=peer, code=-1)
         if self.delay_s:
             self.in_flight.set()
+            log.warning("%s (write %d, peer %s)", HALF_LANDED, self.writes, peer)
             time.sleep(self.delay_s)
             self.in_flight.clear()
         if half < len(src):

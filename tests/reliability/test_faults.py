@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -34,7 +33,7 @@ from dsa_bridge.transfer.roles import (
     sentinel_intact,
     serve_prefill,
 )
-from tests.faulty import DELAY_ENV, EVERY_ENV, FaultyBackend
+from tests.faulty import DELAY_ENV, EVERY_ENV, HALF_LANDED, FaultyBackend
 
 from ..transfer.fake_backend import FakeBackend
 from .helpers import DEEPSEEK, buffer_matches, buffer_untouched, make_pool, settled, wait_until
@@ -105,7 +104,7 @@ def test_decode_killed_mid_transfer(backend, procs, ledger):
                      env={DELAY_ENV: "100"})
     listening(procs, server)
     victim = decode(procs, LO, backend, server.endpoint, "--pool-tokens", str(64 * 48),
-                    "--requests", "16", "--max-tokens", "512", "--concurrency", "4", name="victim")
+                    "--requests", "64", "--max-tokens", "512", "--concurrency", "4", name="victim")
     with DecodeNode(make_pool(), create_backend(backend), server.endpoint,
                     peer_timeout_s=5.0, request_timeout_s=120.0) as node:
         requests = []
@@ -115,10 +114,12 @@ def test_decode_killed_mid_transfer(backend, procs, ledger):
             requests.append((receiver, pages))
         wait_until(lambda: "[decode] " in victim.output() and any(r.chunks for r, _ in requests),
                    90, "both decode nodes receiving")
-        # between two progress lines (1 s apart) the victim keeps 4 requests at the prefill
-        time.sleep(0.4)
-        victim.kill()
         wait_until(lambda: settled(*(r for r, _ in requests)), 90, "the survivor's requests")
+        # the victim's requests finish together (one engine write) and it then checks their bytes
+        # before it asks for more: killed in the delay of a write of its own, not in such a gap
+        writes = server.output().count(HALF_LANDED)
+        wait_until(lambda: server.output().count(HALF_LANDED) > writes, 90, "a write to the victim")
+        victim.kill()
         verified, lost = verified_bytes(node.pool, requests)
         # the whole prefill pool: only servable once the victim's pages were freed
         whole = node.receiver(50)

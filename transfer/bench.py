@@ -353,7 +353,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                                          "planning cost, pool operations")
     size = bench.add_mutually_exclusive_group()
     size.add_argument("--quick", dest="size", action="store_const", const="quick",
-                      help="fewer points and repeats: about a minute on 2 cores")
+                      help="fewer points and repeats: about 3 minutes on 2 cores")
     size.add_argument("--tiny", dest="size", action="store_const", const="tiny",
                       help="every code path at the smallest sizes, in seconds (the smoke test); "
                            "the figures mean little")

@@ -3,10 +3,11 @@
 No I/O and no engine here. The node pairs the buffers it writes with the peer's by global layer
 id and cache kind (``pair_buffers``; which ones is the handshake's ``transfer_set``), then for
 each chunk of a request turns the paired page ids into one write per run of consecutive pages,
-per paired buffer (``plan_writes``). A request's indexer page ids are its KV page ids (page p of
-a KV buffer is row p of the indexer buffer): one list of page ids addresses both caches. Every
-page id is checked against the registered regions of both sides before a single address is
-produced.
+per paired buffer (``plan_writes``); a peer's pairs are a ``PairTable``, which holds the arrays
+every chunk's plan reads, built once at the handshake. A request's indexer page ids are its KV
+page ids (page p of a KV buffer is row p of the indexer buffer): one list of page ids addresses
+both caches. Every page id is checked against the registered regions of both sides before a
+single address is produced.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import msgspec
 import numpy as np
 import pytest
@@ -240,3 +243,23 @@ def test_a_pair_table_of_some_layers_holds_only_their_pairs():
     assert [(p.src.layer_id, p.src.kind) for p in seven] == [(7, "kv"), (7, "index")]
     assert seven.src_ptr.tolist() == [p.src.ptr for p in seven]
     assert len(table.of_layers(frozenset({5}))) == 0
+
+
+def test_the_first_plan_imports_nothing():
+    """A node's first request must not stall its control thread on an import (np.unique's first
+    call imported numpy.ma: ~140 ms, in a process where nothing else had)."""
+    code = """
+import sys
+import numpy as np
+from dsa_bridge.plugin.descriptors import BufferDescriptor
+from dsa_bridge.transfer.plan import check_destination, pair_buffers, plan_writes
+side = lambda base: [BufferDescriptor(0, "kv", base, 64 * 10, 64)]
+pairs = pair_buffers(side(1 << 30), side(1 << 31))
+before = set(sys.modules)
+check_destination(pairs, [3, 4])
+plan_writes(pairs, np.array([1, 2]), np.array([3, 4]))
+print(sorted(set(sys.modules) - before))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -68,26 +68,27 @@ def pair():
         node.close()
 
 
-def start_write(engine, prefill, decode, room: int):
-    """A request whose write is held inside the prefill's engine."""
+def send_request(prefill, decode, room: int):
+    """A request of PAGES, its pages filled, announced by decode and sent by prefill."""
     fill_request(prefill.pool, room, PAGES)
     receiver = decode.receiver(room)
     receiver.init(PAGES)
     sender = prefill.sender(room)
     sender.init(PAGES.size)
     sender.send(PAGES)
+    return receiver, sender
+
+
+def start_write(engine, prefill, decode, room: int):
+    """A request whose write is held inside the prefill's engine."""
+    receiver, sender = send_request(prefill, decode, room)
     wait_for(engine.entered.is_set, what="the write inside the engine")
     return receiver, sender
 
 
 def transfer_whole(prefill, decode, room: int, what: str) -> None:
     """One request of PAGES from ``prefill`` into ``decode``, byte-exact."""
-    fill_request(prefill.pool, room, PAGES)
-    receiver = decode.receiver(room)
-    receiver.init(PAGES)
-    sender = prefill.sender(room)
-    sender.init(PAGES.size)
-    sender.send(PAGES)
+    receiver, _ = send_request(prefill, decode, room)
     wait_for(lambda: receiver.poll() == KVPoll.Success, what=what)
     assert count_mismatches(decode.pool, room, PAGES) == 0
 

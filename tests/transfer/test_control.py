@@ -65,6 +65,10 @@ class Recorder:
         with self.lock:
             self.at_tick.append(len(self.handled))
 
+    def steps(self) -> list[int]:
+        """Messages handled between each two ticks."""
+        return [b - a for a, b in zip(self.at_tick, self.at_tick[1:], strict=False)]
+
 
 @pytest.fixture
 def context():
@@ -99,7 +103,7 @@ def test_at_most_a_batch_is_handled_between_two_ticks(context):
         run(loop, recorder, 5000)
     finally:
         pair.close()
-    steps = [b - a for a, b in zip(recorder.at_tick, recorder.at_tick[1:], strict=False)]
+    steps = recorder.steps()
     assert len(recorder.handled) == 5000
     assert max(steps) == 16  # full batches while the queue lasted, never more
     assert len(recorder.at_tick) >= 5000 // 16
@@ -135,7 +139,7 @@ def test_the_time_budget_ends_a_round_before_its_batch(context):
         run(loop, recorder, 100)
     finally:
         pair.close()
-    steps = [b - a for a, b in zip(recorder.at_tick, recorder.at_tick[1:], strict=False)]
+    steps = recorder.steps()
     assert 1 < max(steps) <= 4  # 4 ms each: the budget of 10 ms is past after the third
     assert loop.max_tick_gap_s >= 0.008
 

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -138,57 +139,56 @@ def connected(monitor: zmq.Socket) -> None:
     raise SystemExit("never connected")
 
 
-def oversized(args) -> dict:
+@contextlib.contextmanager
+def monitored_dealer(endpoint: str):
+    """A DEALER socket connected to ``endpoint`` and its monitor of (dis)connections; closed
+    after a clean exit, flushing what is queued (a failure exits the process at once)."""
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 30_000)
     monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-    sock.connect(f"tcp://{args.endpoint}")
+    sock.connect(f"tcp://{endpoint}")
     connected(monitor)
-    cut = []
-    for size in (int(s) for s in args.sizes.split(",")):
-        sock.send(b"\xc1" * size, copy=False)
-        cut.append(cut_off_and_back(monitor))
-    if args.exact:
-        sock.send(b"\xc1" * args.exact)
+    yield sock, monitor
     sock.disable_monitor()
     monitor.close(0)
     sock.close()
     context.term()
+
+
+def oversized(args) -> dict:
+    with monitored_dealer(args.endpoint) as (sock, monitor):
+        cut = []
+        for size in (int(s) for s in args.sizes.split(",")):
+            sock.send(b"\xc1" * size, copy=False)
+            cut.append(cut_off_and_back(monitor))
+        if args.exact:
+            sock.send(b"\xc1" * args.exact)
     return {"cut_off_seconds": cut, "exact": args.exact}
 
 
 def hellos(args) -> dict:
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 30_000)
-    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-    sock.connect(f"tcp://{args.endpoint}")
-    connected(monitor)
-    cut, sizes = [], []
-    many = [BufferDescriptor(i, "kv", 2**40 + i * 4096, 4096, 64) for i in range(600_000)]
-    for _ in range(3):
-        data = msgspec.msgpack.encode(hello(args.backend, buffers=many))
-        sizes.append(len(data))
-        sock.send(data, copy=False)
-        cut.append(cut_off_and_back(monitor))
-    beyond = [BufferDescriptor(0, "kv", 4096, 4096, 64)] * (protocol.MAX_BUFFERS + 1)
-    for _ in range(3):  # the protocol's own encoder would not make these
-        sock.send(msgspec.msgpack.encode(hello(args.backend, buffers=beyond)))
-    refusals = []
-    layers = list(range(100_000))
-    for _ in range(3):
-        started = time.monotonic()
-        sock.send(protocol.encode(hello(args.backend, layout={**LAYOUT.to_dict(), "layer_ids": layers})))
-        if not sock.poll(30_000):
-            raise SystemExit("no answer to a Hello of 100,000 layers")
-        ack = protocol.decode(sock.recv())
-        refusals.append({"ok": ack.ok, "reason": ack.reason, "seconds": time.monotonic() - started})
-    sock.disable_monitor()
-    monitor.close(0)
-    sock.close()
-    context.term()
-    return {"sizes": sizes, "cut_off_seconds": cut, "beyond_the_decoder": 3, "refusals": refusals}
+    with monitored_dealer(args.endpoint) as (sock, monitor):
+        cut, sizes = [], []
+        many = [BufferDescriptor(i, "kv", 2**40 + i * 4096, 4096, 64) for i in range(600_000)]
+        for _ in range(3):
+            data = msgspec.msgpack.encode(hello(args.backend, buffers=many))
+            sizes.append(len(data))
+            sock.send(data, copy=False)
+            cut.append(cut_off_and_back(monitor))
+        beyond = [BufferDescriptor(0, "kv", 4096, 4096, 64)] * (protocol.MAX_BUFFERS + 1)
+        for _ in range(3):  # the protocol's own encoder would not make these
+            sock.send(msgspec.msgpack.encode(hello(args.backend, buffers=beyond)))
+        refusals = []
+        layers = list(range(100_000))
+        for _ in range(3):
+            started = time.monotonic()
+            sock.send(protocol.encode(hello(args.backend, layout={**LAYOUT.to_dict(), "layer_ids": layers})))
+            if not sock.poll(30_000):
+                raise SystemExit("no answer to a Hello of 100,000 layers")
+            ack = protocol.decode(sock.recv())
+            refusals.append({"ok": ack.ok, "reason": ack.reason, "seconds": time.monotonic() - started})
+        return {"sizes": sizes, "cut_off_seconds": cut, "beyond_the_decoder": 3, "refusals": refusals}
 
 
 def main() -> None:

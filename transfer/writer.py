@@ -113,23 +113,27 @@ def shares(seconds: float, plans: Sequence[WritePlan]) -> list[float]:
 
 @dataclass(frozen=True)
 class _Planned:
-    """A queued job with its plan, or why it has none (``in_flight``: a bug, not bad pages)."""
+    """A queued job with its pairs and plan, or why it has none (``in_flight``: a bug, not bad
+    pages)."""
 
     job: Job
+    pairs: PairTable | None
     plan: WritePlan | None
     failure: str = ""
     in_flight: bool = False
 
 
 def plan_job(job: Job) -> _Planned:
-    """``job`` with its plan, or with the reason it cannot be planned."""
+    """``job`` with its pairs and plan, or with the reason it cannot be planned."""
     try:
-        return _Planned(job, job.plan(job.buffer_pairs()))
+        pairs = job.buffer_pairs()
+        return _Planned(job, pairs, job.plan(pairs))
     except PlanError as exc:
-        return _Planned(job, None, f"bad pages: {exc}")
+        return _Planned(job, None, None, f"bad pages: {exc}")
     except Exception as exc:  # a bug must fail the request, not the caller
         log.exception("room %d: planning a chunk failed", job.sender.room)
-        return _Planned(job, None, f"internal error: {type(exc).__name__}: {exc}", in_flight=True)
+        return _Planned(job, None, None, f"internal error: {type(exc).__name__}: {exc}",
+                        in_flight=True)
 
 
 class _Lane:
@@ -226,7 +230,7 @@ class Writer:
                 self._report(Result(job, ok=False, reason=entry.failure, in_flight=entry.in_flight))
                 continue
             try:
-                sums = self._prepare(job, job.buffer_pairs())
+                sums = self._prepare(job, entry.pairs)
             except checksum.ChecksumError as exc:
                 self._report(Result(job, ok=False, reason=str(exc)))
                 continue

@@ -73,3 +73,30 @@ def test_the_fair_lock_lets_a_waiting_thread_in_between_two_holds():
     # the waiter asked during greedy's first hold: it got the lock right after it, or at most
     # one hold later (greedy may have asked for its next hold before the waiter asked)
     assert order.index(("waiter", 0)) <= 3, order[:6]
+
+
+def test_the_fair_lock_is_taken_if_free_only_when_nobody_holds_or_waits_for_it():
+    lock, waiter_in = FairLock(), threading.Event()
+    assert lock.acquire_if_free()  # free: taken
+    assert not lock.acquire_if_free()  # held: not taken, and not queued either
+
+    def waiter():
+        with lock:
+            waiter_in.set()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.05)  # the waiter has asked (it queues behind the holder)
+    lock.release()
+    thread.join(5)
+    assert waiter_in.is_set() and not thread.is_alive()  # the skipped try left no ticket behind
+    assert lock.acquire_if_free()
+    lock.release()
+
+
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=60), st.integers(1, 8000))
+def test_slices_are_as_long_as_the_limit_allows(lengths, limit):
+    """Greedy: a range ends only where the next descriptor would take it over the limit."""
+    ranges = slices(np.asarray(lengths, dtype=U64), limit)
+    for first, end in ranges[:-1]:
+        assert sum(lengths[first:end + 1]) > limit

@@ -131,6 +131,40 @@ def test_concurrent_writes_and_progress_from_other_threads(connected) -> None:
     assert peer.ask("digest") == sha(oracle(local, peer, src, dst, length))
 
 
+
+def test_nixl_progress_skips_while_the_agent_is_busy_then_waits_its_turn(local, monkeypatch) -> None:
+    """While a write holds the agent lock (as it does for each slice's post), ``progress()``
+    returns without it; ``PROGRESS_MAX_SKIP_S`` after it last ran, it waits its turn."""
+    if local.backend.name != "nixl":
+        pytest.skip("Mooncake's progress() never takes a lock")
+    from dsa_bridge.transfer.backends import nixl
+
+    monkeypatch.setattr(nixl, "PROGRESS_MAX_SKIP_S", 0.2)
+    agent_lock, done = local.backend._lock, []
+
+    def progress() -> threading.Thread:
+        thread = threading.Thread(target=lambda: (local.backend.progress(), done.append(1)))
+        thread.start()
+        return thread
+
+    local.backend.progress()  # runs: the agent is free
+    agent_lock.acquire()  # a write's post
+    try:
+        skipped = progress()
+        skipped.join(5)
+        assert not skipped.is_alive() and done == [1]  # returned while the lock was held
+        time.sleep(0.25)
+        waiting = progress()
+        waiting.join(0.2)
+        assert waiting.is_alive() and done == [1]  # past the bound: it queues for the lock
+    finally:
+        agent_lock.release()
+    waiting.join(5)
+    assert not waiting.is_alive() and done == [1, 1]
+    local.backend.progress()  # free again: taken and released
+    assert agent_lock.acquire_if_free()
+    agent_lock.release()
+
 BAD_WRITES = {
     "unequal sizes": lambda s, d, n: (s, d[:-1], n),
     "empty": lambda s, d, n: (s[:0], d[:0], n[:0]),

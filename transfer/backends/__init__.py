@@ -175,7 +175,9 @@ class FairLock:
 
     ``threading.Lock`` is not fair: a thread that releases it and asks again at once (a write
     posting slice after slice) wins it again and again over a thread already waiting (the
-    control thread's ``progress()``), which can then wait for the whole write.
+    control thread's handshake or disconnect), which can then wait for the whole write.
+    ``acquire_if_free`` takes it only when nobody holds it or waits for it, without joining
+    the queue: for calls that may as well be skipped while the lock is busy.
     """
 
     def __init__(self) -> None:
@@ -183,18 +185,31 @@ class FairLock:
         self._next = 0
         self._serving = 0
 
-    def __enter__(self) -> FairLock:
+    def acquire(self) -> None:
         with self._cond:
             ticket = self._next
             self._next += 1
             while self._serving != ticket:
                 self._cond.wait()
-        return self
 
-    def __exit__(self, *exc: object) -> None:
+    def acquire_if_free(self) -> bool:
+        with self._cond:
+            if self._serving != self._next:
+                return False
+            self._next += 1
+            return True
+
+    def release(self) -> None:
         with self._cond:
             self._serving += 1
             self._cond.notify_all()
+
+    def __enter__(self) -> FairLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 class RegionTable:

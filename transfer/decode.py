@@ -197,6 +197,7 @@ class DecodeNode:
         except BaseException:
             self._runtime.close()
             raise
+        self._stages: dict[str | tuple[str, ...] | None, list[PrefillPeer]] = {}  # checked choices
         self._verifier = ChunkVerifier(pool, self.name, self._on_verified)
         self._runtime.start([peer.socket for peer in self.peers])
 
@@ -351,6 +352,17 @@ class DecodeNode:
         raise ValueError(f"not connected to prefill {endpoint}")
 
     def _request_peers(self, prefill: str | list[str] | None) -> list[PrefillPeer]:
+        """The peers of a request, checked once per choice (the peers and their layouts are
+        fixed: a prefill that comes back with another layout is refused)."""
+        key = prefill if prefill is None or isinstance(prefill, str) else tuple(prefill)
+        if not all(isinstance(name, str) for name in key or ()):
+            return self._check_request_peers(prefill)  # refused there, naming what was given
+        peers = self._stages.get(key)
+        if peers is None:
+            peers = self._stages[key] = self._check_request_peers(prefill)
+        return list(peers)
+
+    def _check_request_peers(self, prefill: str | list[str] | None) -> list[PrefillPeer]:
         if prefill is None:
             whole = [p for p in self.peers if set(self.layout.layer_ids) <= set(p.layout.layer_ids)]
             peers = whole[:1] or list(self.peers)

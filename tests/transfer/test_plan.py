@@ -89,6 +89,10 @@ def test_one_write_per_run_per_layer_per_cache():
     ([-3, 2], [1, 2], "src_pages contains page -3"),
     ([1, 1], [1, 2], "src_pages lists a page more than once"),
     ([1, 2], [3, 3], "dst_pages lists a page more than once"),
+    ([98, 99, 100], [1, 2, 3], "src_pages contains page 100, beyond"),  # one run: its ends
+    ([1, 2, 3], [78, 79, 80], "dst_pages contains page 80, beyond"),
+    ([0, 2, 1], [1, 2, 3], "src_pages contains page 0"),  # not ascending: by min and max
+    ([3, 1, 2, 1], [1, 2, 3, 4], "src_pages lists a page more than once"),  # not ascending
     ([], [], "src_pages is empty"),
     ([1.5], [1], "src_pages must hold integers"),
     ([[1]], [1], "src_pages must be a 1-D"),

@@ -81,7 +81,7 @@ WRITE_TIMEOUT_S = 120.0
 IDLE_EXIT_S = 900.0
 PLAN_REPEAT = 5
 POOL_REPEAT = 7  # pool operations are cheap: more pairs than --quick's 3 steady their median
-CONCURRENCY_REPEAT = 11  # the concurrency target's points: their ratio is a median of pairs too
+CONCURRENCY_REPEAT = 21  # the concurrency target's points: their ratio is a median of pairs too
 CONTROL_POLL_MS = 2  # ControlLoop's default poll timeout, which the idle_gap loop mirrors
 
 

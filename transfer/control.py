@@ -1,11 +1,12 @@
 """The control-plane loop: one thread owns a node's ZMQ sockets.
 
 Other threads never touch a socket; they queue messages with ``send``, which also wakes the loop
-through a pipe so that a queued message leaves at once rather than at the next poll timeout. The
-loop sends what is queued, decodes what arrives (a malformed message is counted and dropped, never
-fatal), and calls the node's ``on_tick`` every ``poll_ms`` for heartbeats, deadlines and engine
-progress: on its schedule, not after every message, so that a burst of messages does not run the
-node's whole tick (and NIXL's progress, which waits for the agent lock) once per message.
+through a pipe so that a queued message leaves at once rather than at the next poll timeout (the
+first message queued since the loop's last flush writes to the pipe, the others of a burst ride
+along). The loop sends what is queued, decodes what arrives (a malformed message is counted and
+dropped, never fatal), and calls the node's ``on_tick`` every ``poll_ms`` for heartbeats,
+deadlines and engine progress: on its schedule, not after every message, so that a burst of
+messages does not run the node's whole tick once per message.
 
 The work between two ticks is bounded, so that no peer can starve the tick: each round takes at
 most ``batch`` messages, one socket after another (a ROUTER socket fair-queues its own peers), and

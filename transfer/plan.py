@@ -146,29 +146,25 @@ def as_page_ids(pages: object, name: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def _one_run(src: np.ndarray, dst: np.ndarray) -> bool:
-    """Both page lists one run of consecutive ids (at least one page each)."""
-    return src.size > 0 and bool((np.diff(src) == 1).all()) and bool((np.diff(dst) == 1).all())
-
-
-def _check_ends(pages: np.ndarray, limit: int, name: str) -> None:
-    """Ascending ``pages`` lie in [1, limit) when their ends do."""
-    low, high = int(pages[0]), int(pages[-1])
-    if low <= PADDING_PAGE:
-        raise PlanError(f"{name} contains page {low}: page 0 is padding and ids must be >= 1")
-    if high >= limit:
-        raise PlanError(f"{name} contains page {high}, beyond the registered {limit} pages")
+def _ascending(pages: np.ndarray) -> bool:
+    """Each id above the one before it (compared, not subtracted: no int64 overflow)."""
+    return bool((pages[1:] > pages[:-1]).all())
 
 
 def check_pages(pages: np.ndarray, limit: int, name: str) -> None:
     """Every page id in [1, limit) and none twice: page 0 is padding and never transferred, and
-    two writes into one page would leave it holding whichever landed last."""
+    two writes into one page would leave it holding whichever landed last. Ascending ids (what
+    allocators hand out) hold no repeat and are bounded by their ends, so only other lists are
+    sorted (a sort releases the GIL, which another thread then holds for up to its switch
+    interval; and not ``np.unique``, whose first call imports numpy.ma, ~140 ms)."""
     if pages.size == 0:
         raise PlanError(f"{name} is empty")
-    # ascending ids (what allocators hand out) hold no repeat and are bounded by their ends: no
-    # sort, whose GIL release lets another thread in for the rest of its switch interval
-    ordered = pages if (np.diff(pages) > 0).all() else np.sort(pages)  # not np.unique: its
-    _check_ends(ordered, limit, name)  # first call imports numpy.ma (~140 ms)
+    ordered = pages if _ascending(pages) else np.sort(pages)
+    low, high = int(ordered[0]), int(ordered[-1])
+    if low <= PADDING_PAGE:
+        raise PlanError(f"{name} contains page {low}: page 0 is padding and ids must be >= 1")
+    if high >= limit:
+        raise PlanError(f"{name} contains page {high}, beyond the registered {limit} pages")
     if ordered is not pages and (ordered[1:] == ordered[:-1]).any():
         raise PlanError(f"{name} lists a page more than once")
 
@@ -188,6 +184,8 @@ def coalesce_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndar
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
     breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
+    if not breaks.any():  # one run: the usual chunk
+        return src[:1], dst[:1], np.array([src.size], dtype=np.int64)
     starts = np.flatnonzero(np.concatenate(([True], breaks)))
     lengths = np.diff(np.concatenate((starts, [src.size])))
     return src[starts], dst[starts], lengths
@@ -205,14 +203,10 @@ def plan_writes(pairs: Sequence[BufferPair], src_pages: object, dst_pages: objec
     if not pairs:
         raise PlanError("no buffers to transfer")
     table = as_table(pairs)
-    if _one_run(src, dst):  # the usual chunk: no repeat possible, bounded by its ends
-        _check_ends(src, table.src_pages, "src_pages")
-        _check_ends(dst, table.dst_pages, "dst_pages")
-        src_start, dst_start, run_len = src[:1], dst[:1], np.array([src.size], dtype=np.int64)
-    else:
-        check_pages(src, table.src_pages, "src_pages")
-        check_pages(dst, table.dst_pages, "dst_pages")
-        src_start, dst_start, run_len = coalesce_runs(src, dst)
+    check_pages(src, table.src_pages, "src_pages")
+    check_pages(dst, table.dst_pages, "dst_pages")
+
+    src_start, dst_start, run_len = coalesce_runs(src, dst)
     item_len = table.item_len[:, None]
     return WritePlan(
         src=(table.src_ptr[:, None] + src_start * item_len).ravel().view(np.uint64),

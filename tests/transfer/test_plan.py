@@ -92,6 +92,8 @@ def test_one_write_per_run_per_layer_per_cache():
     ([98, 99, 100], [1, 2, 3], "src_pages contains page 100, beyond"),  # one run: its ends
     ([1, 2, 3], [78, 79, 80], "dst_pages contains page 80, beyond"),
     ([0, 2, 1], [1, 2, 3], "src_pages contains page 0"),  # not ascending: by min and max
+    ([2**63 - 1, -2**63], [1, 2], "src_pages contains page -9223372036854775808"),  # +1 wrapped
+    ([1, 2**62, 2**63 - 1, -2**63 + 1, -1, 3], [1, 2, 3, 4, 5, 6], "src_pages contains page -"),
     ([3, 1, 2, 1], [1, 2, 3, 4], "src_pages lists a page more than once"),  # not ascending
     ([], [], "src_pages is empty"),
     ([1.5], [1], "src_pages must hold integers"),

@@ -131,7 +131,6 @@ def test_concurrent_writes_and_progress_from_other_threads(connected) -> None:
     assert peer.ask("digest") == sha(oracle(local, peer, src, dst, length))
 
 
-
 def test_nixl_progress_skips_while_the_agent_is_busy_then_waits_its_turn(local, monkeypatch) -> None:
     """While a write holds the agent lock (as it does for each slice's post), ``progress()``
     returns without it; ``PROGRESS_MAX_SKIP_S`` after it last ran, it waits its turn."""
@@ -164,6 +163,7 @@ def test_nixl_progress_skips_while_the_agent_is_busy_then_waits_its_turn(local, 
     local.backend.progress()  # free again: taken and released
     assert agent_lock.acquire_if_free()
     agent_lock.release()
+
 
 BAD_WRITES = {
     "unequal sizes": lambda s, d, n: (s, d[:-1], n),

@@ -129,7 +129,6 @@ def test_the_tick_keeps_its_schedule_while_messages_arrive_one_by_one(context):
     assert 2 <= len(recorder.at_tick) <= elapsed / 0.020 + 1 + 200 // control.BATCH
 
 
-
 def test_a_burst_of_sends_wakes_the_loop_once_and_every_message_leaves(context, monkeypatch):
     """Messages queued while the loop is busy (here: in a tick) cost one write to its wake-up
     pipe, not one each; all of them leave at its next flush, and a later send wakes it again."""
@@ -148,7 +147,7 @@ def test_a_burst_of_sends_wakes_the_loop_once_and_every_message_leaves(context, 
         assert in_tick.wait(10)
         for _ in range(100):
             loop.send(pair.push, protocol.Heartbeat(2.0))
-        assert len(writes) == 1
+        assert writes.count(loop._wake_w) == 1
         release.set()
         for _ in range(100):
             assert pair.inbox.poll(10_000), "a queued message never left"
@@ -159,6 +158,7 @@ def test_a_burst_of_sends_wakes_the_loop_once_and_every_message_leaves(context, 
         release.set()
         loop.stop()
         pair.close()
+
 
 def test_the_time_budget_ends_a_round_before_its_batch(context):
     pair = Pair(context)

@@ -1,35 +1,11 @@
 """The measurements of ``dsa-bridge bench``: transfers between two processes, the planner's cost
 and the pool operations, each next to the baseline it is reported against.
 
-Transfers: a real PrefillNode in a child process (``python -m dsa_bridge.transfer.bench_measure
---control ENDPOINT``), a real DecodeNode in the bench process. The bench process drives the child
-over a private ZMQ PAIR socket; every command (a msgpack map) gets one answer:
-
-- ``setup``: build a pool of the given geometry, an engine backend and a PrefillNode, and answer
-  its control endpoint; the bench process then builds the matching DecodeNode (the handshake).
-- ``peer``: the decode node's engine metadata and buffers. The raw baseline plans with the pairs
-  the node itself uses (``handshake.pair_with_peer``) and writes through the node's own engine
-  (``connect`` of a peer the engine already knows returns the same handle).
-- ``send``: create a sender per room (``init`` + one ``send`` of all its pages), as a prefill
-  that has finished computing does; each chunk waits for decode's page ids, then goes straight
-  to the node's writer. ``checksums`` switches the node's page checksums on or off for
-  these requests; the answer carries the node's checksum seconds so far.
-- ``stats``: the node's checksum seconds so far (after the requests: their difference is what
-  prefill spent checksumming them), and its control thread's longest interval between two
-  ticks since the last ``send`` (``max_tick_gap_ms``: how long the writer's engine calls kept
-  heartbeats and deadlines waiting).
-- ``idle_gap``: the longest interval between two passes of a bare loop that only polls (as the
-  node's control loop does when idle: ``CONTROL_POLL_MS``) for the given seconds, in the child,
-  with no write in flight: the baseline for ``max_tick_gap_ms``, what the machine alone gives a
-  thread that wakes every 2 ms (``idle_tick_gap_ms``).
-- ``raw``: plan the given (src, dst) page lists with ``plan_writes`` (timed on its own), join the
-  plans and time one ``backend.write`` of all of them: pre-built descriptors, one batch.
-- ``teardown`` (close the node) and ``quit``.
-
-End-to-end time is taken in the bench process from the first ``receiver.init`` to the moment the
-last request turned Success (its last ChunkDone handled): control plane both ways, planning, the
-engine and the completion report. The child's stdout (where NIXL and UCX log) goes to stderr.
-End-to-end, end-to-end with checksums (both nodes), raw and memcpy runs are interleaved, their
+Transfers: a real PrefillNode in a child process (``bench_child``), a real DecodeNode in the
+bench process (``TransferSession``). End-to-end time is taken in the bench process from the first
+``receiver.init`` to the moment the last request turned Success (its last ChunkDone handled):
+control plane both ways, planning, the engine and the completion report. End-to-end,
+end-to-end with checksums (both nodes), raw and memcpy runs are interleaved, their
 order alternating between repeats. ``checksum_share`` is the time both nodes spent computing page
 checksums during a checksummed run (prefill before each write, decode's verifier after each
 chunk) over that same run's end-to-end time.
@@ -41,13 +17,9 @@ of the same number of bytes and against memmoves of them in the pieces the pool 
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import gc
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -57,57 +29,30 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 import torch
-import zmq
 
 from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
 from dsa_bridge.plugin.descriptors import BufferDescriptor
 from dsa_bridge.transfer.allocator import PageAllocator
 from dsa_bridge.transfer.backends import create_backend
+from dsa_bridge.transfer.bench_child import (
+    COMMAND_TIMEOUT_S,
+    PAGE,
+    WRITE_TIMEOUT_S,
+    Geometry,
+    PrefillChild,
+    trim_heap,
+)
 from dsa_bridge.transfer.decode import DecodeNode, KVReceiver
-from dsa_bridge.transfer.handshake import pair_with_peer, transfer_set
 from dsa_bridge.transfer.plan import pair_buffers, plan_writes
-from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import TERMINAL, KVPoll
 
 if TYPE_CHECKING:
     from dsa_bridge.transfer.bench import Sizes
 
-PAGE = 64
 PATTERNS = ("contiguous", "fragmented", "per_page")
 LOC_PATTERNS = ("contiguous", "fragmented", "scattered")
-COMMAND_TIMEOUT_S = 180.0
-START_TIMEOUT_S = 60.0
-WRITE_TIMEOUT_S = 120.0
-IDLE_EXIT_S = 900.0
-PLAN_REPEAT = 5
 POOL_REPEAT = 7  # pool operations are cheap: more pairs than --quick's 3 steady their median
 CONCURRENCY_REPEAT = 21  # the concurrency target's points: their ratio is a median of pairs too
-CONTROL_POLL_MS = 2  # ControlLoop's default poll timeout, which the idle_gap loop mirrors
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """A pool both sides build: a model preset cut to its first ``layers`` layers."""
-
-    model: str
-    layers: int
-    kv_dtype: str
-    pool_tokens: int
-    page_size: int = PAGE
-    indexer_layout: str = "uniform"
-
-    def layout(self) -> DSALayout:
-        return DSALayout.preset(self.model, end_layer=self.layers, kv_dtype=self.kv_dtype,
-                                page_size=self.page_size, indexer_layout=self.indexer_layout)
-
-    @property
-    def buffers(self) -> int:
-        """Buffers a request fills: every layer's KV, and each indexer the layout holds."""
-        layout = self.layout()
-        return layout.num_layers + len(layout.index_layer_ids)
-
-    def pool(self) -> DSATokenToKVPool:
-        return DSATokenToKVPool.from_layout(self.layout(), size=self.pool_tokens)
 
 
 def page_ids(pattern: str, pages: int, requests: int = 1,
@@ -138,197 +83,10 @@ def pool_pages(pattern: str, total_pages: int) -> int:
     return 2 * total_pages if pattern == "per_page" else total_pages
 
 
-def trim_heap() -> None:
-    """Free a closed node's pool now and hand the memory back to the OS: a node and its control
-    loop refer to each other (only the cycle collector frees them), and glibc keeps freed blocks
-    below its adaptive mmap threshold. Else one geometry's pool counts against the next one's."""
-    gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim this way
-        pass
-
-
 def runs(src: np.ndarray, dst: np.ndarray) -> int:
     """Runs of pages where both sides step by +1, counted apart from the planner: the oracle for
     its descriptor count (one write per run, per layer, per cache)."""
     return 1 + int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)))
-
-
-# ---- the child: a PrefillNode that runs the bench's commands ------------------------------------
-
-class _PrefillServer:
-    """What the child process does for each command (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self.node: PrefillNode | None = None
-        self.pairs: list = []
-        self.peer = ""
-
-    def setup(self, backend: str, geometry: dict) -> dict:
-        if self.node is not None:
-            raise RuntimeError("setup twice without teardown")
-        pool = Geometry(**geometry).pool()
-        self.node = PrefillNode(pool, create_backend(backend, host="127.0.0.1"),
-                                listen="127.0.0.1:0", request_timeout_s=COMMAND_TIMEOUT_S,
-                                write_timeout_s=WRITE_TIMEOUT_S)
-        return {"endpoint": self.node.endpoint, "transport": self.node.backend.transport()}
-
-    def set_peer(self, metadata: bytes, buffers: list) -> dict:
-        """The pairs the node itself made for the decode node (same geometry on both sides)."""
-        infos, layout = [BufferDescriptor(*b) for b in buffers], self.node.layout
-        keys = transfer_set(layout, layout, layout.index_layer_ids)
-        self.pairs = pair_with_peer(layout, self.node.buffers, infos, keys)
-        self.peer = self.node.backend.connect(metadata)
-        return {}
-
-    def send(self, requests: list, checksums: bool = False) -> dict:
-        self.node.checksums = checksums
-        stats = self.stats()
-        self.node._loop.max_tick_gap_s = 0.0  # the gap the stats after these requests report
-        for room, pages in requests:
-            sender = self.node.sender(room)
-            sender.init(len(pages))
-            sender.send(np.asarray(pages, dtype=np.int64))
-        return stats
-
-    def stats(self) -> dict:
-        return {"checksum_seconds": self.node.counters.snapshot()["checksum_seconds"],
-                "max_tick_gap_ms": 1e3 * self.node._loop.max_tick_gap_s}
-
-    def idle_gap(self, seconds: float) -> dict:
-        poller, (quiet, unused) = zmq.Poller(), os.pipe()  # a poller with nothing would not wait
-        poller.register(quiet, zmq.POLLIN)
-        try:
-            start = last = time.monotonic()
-            gap = 0.0
-            while last - start < seconds:
-                poller.poll(CONTROL_POLL_MS)
-                now = time.monotonic()
-                gap, last = max(gap, now - last), now
-        finally:
-            os.close(quiet)
-            os.close(unused)
-        return {"max_gap_ms": 1e3 * gap}
-
-    def raw(self, requests: list) -> dict:
-        pages = [(np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)) for s, d in requests]
-        plan_seconds = []
-        for _ in range(PLAN_REPEAT):
-            start = time.perf_counter()
-            plans = [plan_writes(self.pairs, src, dst) for src, dst in pages]
-            plan_seconds.append(time.perf_counter() - start)
-        src, dst, length = (np.concatenate([getattr(p, key) for p in plans])
-                            for key in ("src", "dst", "length"))
-        start = time.perf_counter()
-        self.node.backend.write(self.peer, src, dst, length, timeout_s=WRITE_TIMEOUT_S)
-        return {"seconds": time.perf_counter() - start,
-                "plan_seconds": statistics.median(plan_seconds),
-                "descriptors": int(length.size), "nbytes": int(length.sum())}
-
-    def teardown(self) -> dict:
-        self.close()
-        trim_heap()
-        return {}
-
-    def close(self) -> None:
-        node, self.node, self.pairs, self.peer = self.node, None, [], ""
-        if node is not None:
-            node.close()
-
-
-def serve(control: str) -> int:
-    """The child's command loop; it ends on ``quit``, when its parent is gone, or when idle."""
-    commands = {"setup": "setup", "peer": "set_peer", "send": "send", "stats": "stats", "raw": "raw",
-                "idle_gap": "idle_gap", "teardown": "teardown"}
-    server = _PrefillServer()
-    parent = os.getppid()
-    context = zmq.Context()
-    sock = context.socket(zmq.PAIR)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(control)
-    try:
-        sock.send(msgspec.msgpack.encode({"ok": True, "pid": os.getpid()}))
-        idle_since = time.monotonic()
-        while True:
-            if not sock.poll(1000):
-                if os.getppid() != parent or time.monotonic() - idle_since > IDLE_EXIT_S:
-                    return 1
-                continue
-            command = msgspec.msgpack.decode(sock.recv())
-            op = command.pop("op", "")
-            if op == "quit":
-                sock.send(msgspec.msgpack.encode({"ok": True}))
-                return 0
-            try:
-                if op not in commands:
-                    raise ValueError(f"unknown command {op!r}")
-                reply = {"ok": True, **getattr(server, commands[op])(**command)}
-            except Exception as exc:  # reported to the bench process, which raises it
-                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            sock.send(msgspec.msgpack.encode(reply))
-            idle_since = time.monotonic()
-    finally:
-        server.close()
-        sock.close(0)
-        context.term()
-
-
-# ---- the bench process's side -----------------------------------------------------------------
-
-class PrefillChild:
-    """The child process and its command channel; ``stop`` ends it by PID, whatever happened."""
-
-    def __init__(self) -> None:
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.PAIR)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SNDTIMEO, int(COMMAND_TIMEOUT_S * 1000))
-        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "dsa_bridge.transfer.bench_measure", "--control",
-             f"tcp://127.0.0.1:{port}"], stdout=sys.stderr, stdin=subprocess.DEVNULL)
-        try:
-            self._receive("start", time.monotonic() + START_TIMEOUT_S)
-        except BaseException:
-            self.stop()
-            raise
-
-    def call(self, op: str, **fields: object) -> dict:
-        try:
-            self._socket.send(msgspec.msgpack.encode({"op": op, **fields}))
-        except zmq.Again:
-            raise RuntimeError(f"bench prefill did not take the {op} command") from None
-        return self._receive(op, time.monotonic() + COMMAND_TIMEOUT_S)
-
-    def _receive(self, op: str, deadline: float) -> dict:
-        while not self._socket.poll(100):
-            if self.process.poll() is not None:
-                raise RuntimeError(f"bench prefill exited with code {self.process.returncode} "
-                                   f"during {op}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"bench prefill did not answer {op} in time")
-        reply = msgspec.msgpack.decode(self._socket.recv())
-        if not reply["ok"]:
-            raise RuntimeError(f"bench prefill: {op} failed: {reply['error']}")
-        return reply
-
-    def stop(self) -> None:
-        try:
-            if self.process.poll() is None:
-                try:
-                    self._socket.send(msgspec.msgpack.encode({"op": "quit"}), zmq.NOBLOCK)
-                    self.process.wait(20)
-                except (zmq.ZMQError, subprocess.TimeoutExpired):
-                    self.process.terminate()
-                    try:
-                        self.process.wait(10)
-                    except subprocess.TimeoutExpired:
-                        self.process.kill()
-                        self.process.wait(10)
-        finally:
-            self._socket.close(0)
-            self._context.term()
 
 
 @dataclass(frozen=True)
@@ -731,12 +489,3 @@ def pair_ratio(baseline: list[float], measured: list[float]) -> float:
     """Median of baseline / measured over back-to-back pairs (a drift of the load cancels)."""
     return statistics.median(b / m for b, m in zip(baseline, measured, strict=True))
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="the prefill child of dsa-bridge bench")
-    parser.add_argument("--control", required=True, help="the bench process's ZMQ endpoint")
-    return serve(parser.parse_args(argv).control)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

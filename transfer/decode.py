@@ -355,9 +355,10 @@ class DecodeNode:
         """The peers of a request, checked once per choice (the peers and their layouts are
         fixed: a prefill that comes back with another layout is refused)."""
         key = prefill if prefill is None or isinstance(prefill, str) else tuple(prefill)
-        if not all(isinstance(name, str) for name in key or ()):
-            return self._check_request_peers(prefill)  # refused there, naming what was given
-        peers = self._stages.get(key)
+        try:
+            peers = self._stages.get(key)
+        except TypeError:  # an unhashable name: refused by the check, naming what was given
+            return self._check_request_peers(prefill)
         if peers is None:
             peers = self._stages[key] = self._check_request_peers(prefill)
         return list(peers)

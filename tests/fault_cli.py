@@ -1,4 +1,4 @@
-"""The ``dsa-bridge`` command as the process tests start it: the real ``dsa_bridge.transfer.cli``
+"""The ``dsa-bridge`` command as the process tests start it: the real ``dsa_bridge.transfer.launcher.cli``
 whose engine backends are wrapped in ``tests/faulty.py``'s test-only fault injection when a
 ``DSA_BRIDGE_FAULT_*`` variable is set (unchanged otherwise). Run as ``python -m tests.fault_cli``
 from the repository root."""
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import sys
 
-from dsa_bridge.transfer import backends, cli
+from dsa_bridge.transfer import backends
+from dsa_bridge.transfer.launcher import cli
 
 from .faulty import wrap_from_env
 

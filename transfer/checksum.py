@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import xxhash
 
-from dsa_bridge.transfer import protocol
+from . import protocol
 
 XXH3 = "xxh3_64"
 WSUM = "wsum64"

@@ -32,8 +32,8 @@ from collections.abc import Callable
 
 import zmq
 
-from dsa_bridge.transfer import protocol
-from dsa_bridge.transfer.protocol import Message, ProtocolError
+from . import protocol
+from .protocol import Message, ProtocolError
 
 log = logging.getLogger(__name__)
 

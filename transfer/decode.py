@@ -9,7 +9,7 @@ once — or to Failed with a reason: a prefill failure, an abort, a missed deadl
 that stopped answering. With ``checksums`` on, a stage's part counts as arrived only once the
 verifier thread has checked each of its pages in each of its buffers against the checksums
 prefill sent. Pages of a failed request are held back until no write into them can still land
-(``rooms.RoomBook`` decides): a prefill that went silent while it might still write keeps them
+(``request_fence.RoomBook`` decides): a prefill that went silent while it might still write keeps them
 quarantined until it is proven unable to (it answers a new handshake of this node's session,
 which it sends only once none of its old writes can run, or its process is gone), or until
 ``quarantine_timeout_s`` (counted as an expiry). A prefill marked dead is offered that new
@@ -33,12 +33,12 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from dsa_bridge.plugin.layout import DSALayout
-from dsa_bridge.transfer import auth, checksum, limits, protocol
-from dsa_bridge.transfer.backends.base import TransferBackend
-from dsa_bridge.transfer.control import parse_endpoint, zmq_address
-from dsa_bridge.transfer.counters import Counters
-from dsa_bridge.transfer.handshake import (
+from ..plugin.layout import DSALayout
+from . import auth, checksum, protocol, receive_limits
+from .backends.base import TransferBackend
+from .control import parse_endpoint, zmq_address
+from .counters import Counters
+from .handshake import (
     BufferKey,
     HandshakeError,
     buffer_infos,
@@ -48,11 +48,11 @@ from dsa_bridge.transfer.handshake import (
     pool_buffers,
     transfer_set,
 )
-from dsa_bridge.transfer.plan import PlanError, as_aux_buffers, as_page_ids, check_aux_index, check_pages
-from dsa_bridge.transfer.request import TERMINAL, KVPoll, RequestState
-from dsa_bridge.transfer.rooms import RoomBook
-from dsa_bridge.transfer.runtime import NodeRuntime
-from dsa_bridge.transfer.verify import ChunkVerifier
+from .node_runtime import NodeRuntime
+from .plan import PlanError, as_aux_buffers, as_page_ids, check_aux_index, check_pages
+from .request import TERMINAL, KVPoll, RequestState
+from .request_fence import RoomBook
+from .verify import ChunkVerifier
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +281,8 @@ class DecodeNode:
     def _handshake(self, endpoint: str, timeout_s: float) -> PrefillPeer:
         """The first handshake (constructor thread, before the loop starts)."""
         host, port = parse_endpoint(endpoint, "prefill")
-        sock = self._runtime.socket(zmq.DEALER, limits.decode_receive_bytes(self.layout, self.buffers))
+        limit = receive_limits.decode_receive_bytes(self.layout, self.buffers)
+        sock = self._runtime.socket(zmq.DEALER, limit)
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
         sock.connect(zmq_address(host, port))

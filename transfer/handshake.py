@@ -26,10 +26,10 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from dsa_bridge.plugin.descriptors import BufferDescriptor, validate_descriptors
-from dsa_bridge.plugin.layout import DSALayout
-from dsa_bridge.transfer.plan import PairTable, PlanError, pair_buffers
-from dsa_bridge.transfer.protocol import MAX_BUFFERS, MAX_LAYERS, PROTOCOL_VERSION
+from ..plugin.descriptors import BufferDescriptor, validate_descriptors
+from ..plugin.layout import DSALayout
+from .plan import PairTable, PlanError, pair_buffers
+from .protocol import MAX_BUFFERS, MAX_LAYERS, PROTOCOL_VERSION
 
 BufferKey = tuple[int, str]  # (global layer id, cache kind)
 

@@ -40,7 +40,7 @@ from prometheus_client.core import (
     InfoMetricFamily,
 )
 
-from dsa_bridge.transfer.counters import CATEGORIES, LATENCY_BUCKETS
+from .counters import CATEGORIES, LATENCY_BUCKETS
 
 ROLES = ("prefill", "decode")
 

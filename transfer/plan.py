@@ -18,7 +18,7 @@ from functools import cached_property
 
 import numpy as np
 
-from dsa_bridge.plugin.descriptors import BufferDescriptor
+from ..plugin.descriptors import BufferDescriptor
 
 CACHE_KINDS = ("kv", "index")
 PADDING_PAGE = 0

@@ -26,12 +26,12 @@ import msgspec
 import numpy as np
 import zmq
 
-from dsa_bridge.plugin.descriptors import BufferDescriptor
-from dsa_bridge.transfer import auth, checksum, limits, protocol
-from dsa_bridge.transfer.backends.base import BackendError, TransferBackend
-from dsa_bridge.transfer.control import parse_endpoint, zmq_address
-from dsa_bridge.transfer.counters import Counters
-from dsa_bridge.transfer.handshake import (
+from ..plugin.descriptors import BufferDescriptor
+from . import auth, checksum, protocol, receive_limits
+from .backends.base import BackendError, TransferBackend
+from .control import parse_endpoint, zmq_address
+from .counters import Counters
+from .handshake import (
     HandshakeError,
     check_index_reads,
     check_peer,
@@ -39,7 +39,8 @@ from dsa_bridge.transfer.handshake import (
     pool_buffers,
     transfer_set,
 )
-from dsa_bridge.transfer.plan import (
+from .node_runtime import NodeRuntime
+from .plan import (
     AUX_KIND,
     BufferPair,
     PairTable,
@@ -50,9 +51,8 @@ from dsa_bridge.transfer.plan import (
     check_destination,
     pair_aux,
 )
-from dsa_bridge.transfer.request import TERMINAL, KVPoll, RequestState
-from dsa_bridge.transfer.runtime import NodeRuntime
-from dsa_bridge.transfer.writer import Job, Result, Writer
+from .request import TERMINAL, KVPoll, RequestState
+from .writer import Job, Result, Writer
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class PrefillNode:
         self._loop = self._runtime.loop
         try:
             self._socket = self._runtime.socket(
-                zmq.ROUTER, limits.prefill_receive_bytes(self.layout, backend.name, self.buffers))
+                zmq.ROUTER, receive_limits.prefill_receive_bytes(self.layout, backend.name, self.buffers))
             try:
                 if port == 0:
                     port = self._socket.bind_to_random_port(zmq_address(host, 0).rsplit(":", 1)[0])

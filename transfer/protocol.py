@@ -18,7 +18,7 @@ from typing import Annotated
 
 import msgspec
 
-from dsa_bridge.plugin.descriptors import MAX_KIND_CHARS, BufferDescriptor
+from ..plugin.descriptors import MAX_KIND_CHARS, BufferDescriptor
 
 # 1: first version (layout + buffers handshake, per-chunk completion, abort, heartbeat).
 # 2: layer sets: layouts carry index_layer_ids; Hello carries the indexer layers decode reads.

@@ -16,8 +16,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from dsa_bridge.transfer import checksum, protocol
-from dsa_bridge.transfer.request import TERMINAL
+from . import checksum, protocol
+from .request import TERMINAL
 
 log = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsa_bridge.transfer import checksum, protocol
-from dsa_bridge.transfer.backends.base import BackendError, TransferBackend
-from dsa_bridge.transfer.plan import (
+from . import checksum, protocol
+from .backends.base import BackendError, TransferBackend
+from .plan import (
     BufferPair,
     PairTable,
     PlanError,
@@ -44,7 +44,7 @@ from dsa_bridge.transfer.plan import (
     plan_writes,
     with_aux_writes,
 )
-from dsa_bridge.transfer.request import KVPoll
+from .request import KVPoll
 
 log = logging.getLogger(__name__)
 

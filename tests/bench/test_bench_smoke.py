@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from dsa_bridge.transfer.backends import BACKENDS
-from dsa_bridge.transfer.bench import SIZES
-from dsa_bridge.transfer.bench_measure import CONCURRENCY_REPEAT
+from dsa_bridge.transfer.bench.measure import CONCURRENCY_REPEAT
+from dsa_bridge.transfer.bench.sizes import SIZES
 
 from ..conftest import engine_problem
 
@@ -38,7 +38,7 @@ def test_tiny_bench_reports_every_figure(tmp_path):
     if not backends:
         pytest.skip("no transfer engine starts on this machine")
     result = subprocess.run(
-        [sys.executable, "-m", "dsa_bridge.transfer.cli", "bench", "--tiny", "--json",
+        [sys.executable, "-m", "dsa_bridge.transfer.launcher.cli", "bench", "--tiny", "--json",
          "--backends", ",".join(backends), "--plots", str(tmp_path)],
         capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr[-3000:]

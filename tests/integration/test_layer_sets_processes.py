@@ -15,8 +15,8 @@ from dsa_bridge.plugin import DSALayout, DSATokenToKVPool, load_model_config
 from dsa_bridge.transfer.backends import create_backend
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.handshake import HandshakeError
+from dsa_bridge.transfer.launcher.drivers import count_mismatches, request_bytes, reset_pages, sentinel_intact
 from dsa_bridge.transfer.request import KVPoll
-from dsa_bridge.transfer.roles import count_mismatches, request_bytes, reset_pages, sentinel_intact
 
 from ..transfer.helpers import wait_for
 from .processes import PrefillProcess

@@ -19,8 +19,8 @@ from dsa_bridge.transfer import protocol
 from dsa_bridge.transfer.backends import BACKENDS, create_backend
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.handshake import HandshakeError
+from dsa_bridge.transfer.launcher.drivers import count_mismatches, reset_pages, sentinel_intact
 from dsa_bridge.transfer.request import KVPoll
-from dsa_bridge.transfer.roles import count_mismatches, reset_pages, sentinel_intact
 
 from ..conftest import require_engine
 from ..transfer.helpers import wait_for

@@ -21,12 +21,10 @@ import numpy as np
 
 from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
 from dsa_bridge.plugin.layout import load_model_config
-from dsa_bridge.transfer.allocator import PageAllocator
 from dsa_bridge.transfer.auth import load_secret
 from dsa_bridge.transfer.backends import create_backend
 from dsa_bridge.transfer.decode import DecodeNode
-from dsa_bridge.transfer.request import KVPoll
-from dsa_bridge.transfer.roles import (
+from dsa_bridge.transfer.launcher.drivers import (
     count_mismatches,
     release_settled,
     request_bytes,
@@ -34,7 +32,9 @@ from dsa_bridge.transfer.roles import (
     reset_pages,
     sentinel_intact,
 )
-from dsa_bridge.transfer.summary import write_json_atomic
+from dsa_bridge.transfer.launcher.page_allocator import PageAllocator
+from dsa_bridge.transfer.launcher.summary import write_json_atomic
+from dsa_bridge.transfer.request import KVPoll
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -32,7 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 from dsa_bridge.plugin import DSALayout
 from dsa_bridge.plugin.descriptors import BufferDescriptor
 from dsa_bridge.transfer import auth, protocol
-from dsa_bridge.transfer.summary import write_json_atomic
+from dsa_bridge.transfer.launcher.summary import write_json_atomic
 
 LAYOUT = DSALayout.preset("deepseek-v3.2")
 CONNECT_TIMEOUT_S = 30.0

@@ -8,9 +8,9 @@ import numpy as np
 import torch
 
 from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
-from dsa_bridge.transfer.pattern import SENTINEL, expected_pages
+from dsa_bridge.transfer.launcher.drivers import reset_pages
+from dsa_bridge.transfer.launcher.page_pattern import SENTINEL, expected_pages
 from dsa_bridge.transfer.request import TERMINAL
-from dsa_bridge.transfer.roles import reset_pages
 
 from .procs import Hang
 

@@ -24,15 +24,15 @@ from dsa_bridge.transfer.backends import BACKENDS, create_backend
 from dsa_bridge.transfer.backends.base import BackendError
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.handshake import HandshakeError, pool_buffers
-from dsa_bridge.transfer.prefill import PrefillNode
-from dsa_bridge.transfer.request import KVPoll
-from dsa_bridge.transfer.roles import (
+from dsa_bridge.transfer.launcher.drivers import (
     count_mismatches,
     fill_request,
     reset_pages,
     sentinel_intact,
     serve_prefill,
 )
+from dsa_bridge.transfer.prefill import PrefillNode
+from dsa_bridge.transfer.request import KVPoll
 from tests.faulty import DELAY_ENV, EVERY_ENV, HALF_LANDED, FaultyBackend
 
 from ..transfer.fake_backend import FakeBackend

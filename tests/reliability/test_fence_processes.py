@@ -21,11 +21,11 @@ import time
 import numpy as np
 import pytest
 
-from dsa_bridge.transfer.allocator import PageAllocator
 from dsa_bridge.transfer.backends import BACKENDS, create_backend
 from dsa_bridge.transfer.decode import DecodeNode
+from dsa_bridge.transfer.launcher.drivers import count_mismatches, reset_pages, sentinel_intact
+from dsa_bridge.transfer.launcher.page_allocator import PageAllocator
 from dsa_bridge.transfer.request import KVPoll
-from dsa_bridge.transfer.roles import count_mismatches, reset_pages, sentinel_intact
 from tests.faulty import DELAY_ENV
 
 from .helpers import DEEPSEEK, buffer_matches, buffer_untouched, make_pool, settled, wait_until

@@ -31,13 +31,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsa_bridge.transfer import limits, protocol
+from dsa_bridge.transfer import protocol
+from dsa_bridge.transfer import receive_limits as limits
 from dsa_bridge.transfer.auth import load_secret
 from dsa_bridge.transfer.backends import create_backend
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.handshake import pool_buffers
+from dsa_bridge.transfer.launcher.drivers import count_mismatches, request_bytes
 from dsa_bridge.transfer.request import KVPoll
-from dsa_bridge.transfer.roles import count_mismatches, request_bytes
 
 from .helpers import DEEPSEEK, make_pool, settled, wait_until
 from .netns import loopback_hosts

@@ -20,15 +20,15 @@ from dsa_bridge.plugin import DSALayout
 from dsa_bridge.transfer import protocol
 from dsa_bridge.transfer.backends import BACKENDS, create_backend
 from dsa_bridge.transfer.decode import DecodeNode
-from dsa_bridge.transfer.prefill import PrefillNode
-from dsa_bridge.transfer.request import KVPoll
-from dsa_bridge.transfer.roles import (
+from dsa_bridge.transfer.launcher.drivers import (
     count_mismatches,
     fill_request,
     request_bytes,
     reset_pages,
     sentinel_intact,
 )
+from dsa_bridge.transfer.prefill import PrefillNode
+from dsa_bridge.transfer.request import KVPoll
 
 from ..transfer.fake_backend import FakeBackend
 from .helpers import DEEPSEEK, GLM_COMPACT, SMALL, SMALL_SHARED, make_pool, settled, wait_until

@@ -18,8 +18,8 @@ import pytest
 
 from dsa_bridge.plugin import DSALayout
 from dsa_bridge.transfer.backends import create_backend
+from dsa_bridge.transfer.launcher.drivers import serve_prefill
 from dsa_bridge.transfer.prefill import PrefillNode
-from dsa_bridge.transfer.roles import serve_prefill
 from tests.faulty import FaultyBackend
 
 from .helpers import SMALL, make_pool, wait_until

@@ -13,8 +13,8 @@ import pytest
 
 from dsa_bridge.transfer.backends import create_backend
 from dsa_bridge.transfer.decode import DecodeNode
+from dsa_bridge.transfer.launcher.drivers import count_mismatches
 from dsa_bridge.transfer.request import KVPoll
-from dsa_bridge.transfer.roles import count_mismatches
 
 from .helpers import DEEPSEEK, make_pool, settled, wait_until
 from .test_flood import FLOOD_S, flooder, serve

@@ -20,10 +20,10 @@ from dsa_bridge.plugin import DSALayout
 from dsa_bridge.transfer import protocol
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.handshake import pool_buffers
+from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request, reset_pages, sentinel_intact
 from dsa_bridge.transfer.plan import PlanError, pair_buffers, plan_writes
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll
-from dsa_bridge.transfer.roles import count_mismatches, fill_request, reset_pages, sentinel_intact
 
 from ..transfer.fake_backend import FakeBackend
 from .helpers import SMALL, make_pool, settled, wait_until

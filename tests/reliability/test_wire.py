@@ -26,9 +26,9 @@ from dsa_bridge.transfer import protocol
 from dsa_bridge.transfer.backends import create_backend
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.handshake import pool_buffers
+from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll
-from dsa_bridge.transfer.roles import count_mismatches, fill_request
 
 from ..transfer.fake_backend import FakeBackend
 from .helpers import DEEPSEEK, make_pool, settled, wait_until

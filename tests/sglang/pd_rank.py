@@ -40,7 +40,7 @@ def pool_kwargs(cfg: dict) -> dict:
 def make_pool(cfg: dict, bridge: bool):
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
-    from dsa_bridge.plugin.sglang_pool import BridgeDSATokenToKVPool
+    from dsa_bridge.plugin.sglang.pool import BridgeDSATokenToKVPool
 
     return (BridgeDSATokenToKVPool if bridge else DSATokenToKVPool)(**pool_kwargs(cfg))
 

@@ -1,4 +1,4 @@
-"""dsa-bridge as sglang's PD transfer (``plugin/sglang_conn.py``, ``plugin/sglang_kvargs.py``),
+"""dsa-bridge as sglang's PD transfer (``plugin/sglang/conn.py``, ``plugin/sglang/kvargs.py``),
 against the real sglang 0.5.23 on the CPU.
 
 - ``get_kv_class`` returns dsa-bridge's classes after sglang's own ``load_plugins()``, only for
@@ -38,13 +38,13 @@ from sglang.srt.disaggregation.base import KVArgs  # noqa: E402
 from sglang.srt.disaggregation.utils import DisaggregationMode, setup_state_kv_args  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SGLangPool  # noqa: E402
 
-from dsa_bridge.plugin.sglang_conn import (  # noqa: E402
+from dsa_bridge.plugin.sglang.conn import (  # noqa: E402
     DSABridgeKVBootstrapServer,
     DSABridgeKVManager,
     DSABridgeKVReceiver,
 )
-from dsa_bridge.plugin.sglang_kvargs import bridge_buffers, dsa_problem  # noqa: E402
-from dsa_bridge.plugin.sglang_pool import BridgeDSATokenToKVPool  # noqa: E402
+from dsa_bridge.plugin.sglang.kvargs import bridge_buffers, dsa_problem  # noqa: E402
+from dsa_bridge.plugin.sglang.pool import BridgeDSATokenToKVPool  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT_KW = dict(page_size=64, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)
@@ -75,7 +75,7 @@ from sglang.srt.plugins import load_plugins
 load_plugins()
 from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 from sglang.srt.managers import disagg_service
-name = lambda c: None if c is None else c.__module__.rsplit(".", 1)[-1] + "." + c.__qualname__
+name = lambda c: None if c is None else ".".join(c.__module__.split(".")[-2:]) + "." + c.__qualname__
 out = {b.value: {t.value: name(get_kv_class(b, t)) for t in KVClassType}
        for b in (TransferBackend.MOONCAKE, TransferBackend.NIXL, TransferBackend.FAKE)}
 out["disagg_service_sees_hook"] = disagg_service.get_kv_class is get_kv_class
@@ -122,23 +122,23 @@ def test_get_kv_class_gives_dsa_bridge_classes_for_mooncake_and_nixl_and_falls_b
     got = probe("dsa_bridge", fallback=True)
     for backend in ("mooncake", "nixl"):
         assert got[backend] == {
-            "kvargs": "conn.KVArgs",
-            "manager": "sglang_conn.DSABridgeKVManager",
-            "sender": "sglang_conn.DSABridgeKVSender",
-            "receiver": "sglang_conn.DSABridgeKVReceiver",
-            "bootstrap_server": "sglang_conn.DSABridgeKVBootstrapServer",
+            "kvargs": "base.conn.KVArgs",
+            "manager": "sglang.conn.DSABridgeKVManager",
+            "sender": "sglang.conn.DSABridgeKVSender",
+            "receiver": "sglang.conn.DSABridgeKVReceiver",
+            "bootstrap_server": "sglang.conn.DSABridgeKVBootstrapServer",
         }, backend
-    assert got["fake"]["sender"] == "conn.FakeKVSender"  # other backends: sglang's
+    assert got["fake"]["sender"] == "fake.conn.FakeKVSender"  # other backends: sglang's
     assert got["disagg_service_sees_hook"]  # the modules that imported it by name see the hook too
     # an MLA pool (no DSA state): dsa-bridge's class builds sglang's own Mooncake manager
-    assert got["fallback"] == ["sglang_conn.DSABridgeKVManager", "conn.MooncakeKVManager"]
+    assert got["fallback"] == ["sglang.conn.DSABridgeKVManager", "mooncake.conn.MooncakeKVManager"]
     assert "sglang's MooncakeKVManager moves this pool" in got["log"]
 
 
 def test_get_kv_class_is_sglangs_when_the_plugin_is_not_named():
     got = probe("some_other_plugin")
-    assert got["mooncake"]["manager"] == "conn.MooncakeKVManager"
-    assert got["nixl"]["receiver"] == "conn.NixlKVReceiver"
+    assert got["mooncake"]["manager"] == "mooncake.conn.MooncakeKVManager"
+    assert got["nixl"]["receiver"] == "nixl.conn.NixlKVReceiver"
 
 
 # ---- KVArgs -> dsa-bridge buffers (sglang's own pools and setup_state_kv_args) ---------------------

@@ -1,4 +1,4 @@
-"""The sglang plugin (``plugin/sglang_plugin.py``): discovered from the installed metadata by
+"""The sglang plugin (``plugin/sglang/hooks.py``): discovered from the installed metadata by
 sglang's own ``load_plugins()``, active only where ``SGLANG_PLUGINS`` names it, and then the DSA
 pool sglang's configurator builds is dsa-bridge's subclass. Each case runs in its own process:
 ``load_plugins`` runs once per process and patches sglang's modules, as in a scheduler."""
@@ -59,13 +59,13 @@ def probe(plugins: str | None) -> dict:
 
 def test_entry_point_is_in_the_installed_metadata():
     (ep,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "dsa_bridge"]
-    assert ep.value == "dsa_bridge.plugin.sglang_plugin:register"
+    assert ep.value == "dsa_bridge.plugin.sglang.hooks:register"
     assert ep.dist.name == "dsa-bridge"
 
 
 def test_load_plugins_named_dsa_bridge_builds_dsa_bridge_pool_for_dsa_only():
     got = probe("dsa_bridge")
-    assert got["dsa"] == "dsa_bridge.plugin.sglang_pool.BridgeDSATokenToKVPool"
+    assert got["dsa"] == "dsa_bridge.plugin.sglang.pool.BridgeDSATokenToKVPool"
     assert got["dsa_is_subclass"] and got["name_still_sglangs"]
     assert got["mla"] == "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool"
     assert got["hook_sources"] == ["dsa_bridge"]

@@ -1,4 +1,4 @@
-"""dsa-bridge's pool inside SGLang (``plugin/sglang_pool.py``), against the real sglang 0.5.23.
+"""dsa-bridge's pool inside SGLang (``plugin/sglang/pool.py``), against the real sglang 0.5.23.
 
 SGLang's own ``setup_state_kv_args`` over SGLang's pool, over dsa-bridge's subclass and (the bug
 of issue 11) over dsa-bridge's own pool; SGLang's accessors on the subclass; the subclass's
@@ -23,7 +23,7 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SGLangPool  # n
 
 from dsa_bridge.plugin import DSALayout, DSATokenToKVPool  # noqa: E402
 from dsa_bridge.plugin.descriptors import BufferSet  # noqa: E402
-from dsa_bridge.plugin.sglang_pool import BridgeDSATokenToKVPool  # noqa: E402
+from dsa_bridge.plugin.sglang.pool import BridgeDSATokenToKVPool  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("sglang_context")
 

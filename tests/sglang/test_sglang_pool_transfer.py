@@ -17,7 +17,7 @@ from .conftest import SGLANG_MISSING
 if SGLANG_MISSING:
     pytest.skip(SGLANG_MISSING, allow_module_level=True)
 
-from dsa_bridge.plugin.sglang_pool import BridgeDSATokenToKVPool  # noqa: E402
+from dsa_bridge.plugin.sglang.pool import BridgeDSATokenToKVPool  # noqa: E402
 from dsa_bridge.transfer.backends import create_backend  # noqa: E402
 from dsa_bridge.transfer.decode import DecodeNode  # noqa: E402
 from dsa_bridge.transfer.handshake import HandshakeError  # noqa: E402

@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
-from dsa_bridge.transfer.roles import reset_pages
+from dsa_bridge.transfer.launcher.drivers import reset_pages
 
 SMALL_CONFIG = {"num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
                 "index_head_dim": 128}

@@ -9,7 +9,7 @@ import xxhash
 
 from dsa_bridge.transfer import checksum, protocol
 from dsa_bridge.transfer.checksum import WSUM, XXH3, ChecksumError
-from dsa_bridge.transfer.roles import fill_request
+from dsa_bridge.transfer.launcher.drivers import fill_request
 
 from .helpers import make_pool
 

@@ -15,11 +15,12 @@ import time
 
 import pytest
 
-from dsa_bridge.transfer import backends, cli, demo, options
+from dsa_bridge.transfer import backends
 from dsa_bridge.transfer.auth import SECRET_ENV
 from dsa_bridge.transfer.backends import BACKENDS
-from dsa_bridge.transfer.cli import main
-from dsa_bridge.transfer.summary import join_prefill, print_summary
+from dsa_bridge.transfer.launcher import cli, demo, options
+from dsa_bridge.transfer.launcher.cli import main
+from dsa_bridge.transfer.launcher.summary import join_prefill, print_summary
 
 from ..conftest import require_engine
 
@@ -204,7 +205,7 @@ def test_prefill_exits_cleanly_on_sigterm(listen):
     """A long-lived prefill node stops on SIGTERM: exit code 0 and its counters on stderr. A host
     name is resolved first (Mooncake takes numeric IPv4 only)."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "dsa_bridge.transfer.cli", "prefill", "--listen", listen,
+        [sys.executable, "-m", "dsa_bridge.transfer.launcher.cli", "prefill", "--listen", listen,
          "--pool-tokens", "1024"], stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -265,7 +266,7 @@ def test_demo_is_quiet_and_separates_transfer_from_filling(backend):
     require_engine(backend)
     env = {k: v for k, v in os.environ.items() if k not in ENGINE_LOG_ENV}
     result = subprocess.run(
-        [sys.executable, "-m", "dsa_bridge.transfer.cli", "demo", "--backend", backend,
+        [sys.executable, "-m", "dsa_bridge.transfer.launcher.cli", "demo", "--backend", backend,
          "--requests", "4", "--pool-tokens", "4096", "--max-tokens", "1024", "--json"],
         capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -18,9 +18,14 @@ import pytest
 from dsa_bridge.transfer import protocol
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.handshake import HandshakeError
+from dsa_bridge.transfer.launcher.drivers import (
+    count_mismatches,
+    fill_request,
+    request_bytes,
+    sentinel_intact,
+)
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll
-from dsa_bridge.transfer.roles import count_mismatches, fill_request, request_bytes, sentinel_intact
 
 from .fake_backend import FakeBackend
 from .helpers import SMALL_CONFIG, make_pool, wait_for

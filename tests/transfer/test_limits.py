@@ -8,7 +8,8 @@ import msgspec
 import pytest
 
 from dsa_bridge.plugin import DSALayout
-from dsa_bridge.transfer import checksum, limits, protocol
+from dsa_bridge.transfer import checksum, protocol
+from dsa_bridge.transfer import receive_limits as limits
 from dsa_bridge.transfer.handshake import pool_buffers
 from dsa_bridge.transfer.plan import BufferDescriptor
 from dsa_bridge.transfer.protocol import (

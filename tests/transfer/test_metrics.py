@@ -13,12 +13,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsa_bridge.transfer import metrics
-from dsa_bridge.transfer.cli import main
 from dsa_bridge.transfer.counters import CATEGORIES, LATENCY_BUCKETS, Counters, failure_category
 from dsa_bridge.transfer.decode import DecodeNode
+from dsa_bridge.transfer.launcher.cli import main
+from dsa_bridge.transfer.launcher.drivers import fill_request
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll
-from dsa_bridge.transfer.roles import fill_request
 
 from .fake_backend import FakeBackend
 from .helpers import make_pool, wait_for

@@ -12,9 +12,9 @@ import pytest
 
 from dsa_bridge.transfer import checksum, verify
 from dsa_bridge.transfer.decode import DecodeNode
+from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll
-from dsa_bridge.transfer.roles import count_mismatches, fill_request
 from tests.faulty import FaultyBackend
 
 from .fake_backend import FakeBackend

@@ -14,8 +14,8 @@ from dsa_bridge.transfer.backends.base import BackendError
 from dsa_bridge.transfer.counters import Counters
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.handshake import HandshakeError
+from dsa_bridge.transfer.node_runtime import Liveness, NodeRuntime
 from dsa_bridge.transfer.prefill import PrefillNode
-from dsa_bridge.transfer.runtime import Liveness, NodeRuntime
 
 from .fake_backend import FakeBackend
 from .helpers import SMALL_CONFIG, make_pool, wait_for

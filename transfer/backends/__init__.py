@@ -29,8 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dsa_bridge.plugin.descriptors import BufferDescriptor
-
+from ...plugin.descriptors import BufferDescriptor
 from .base import BackendError, BackendUnavailable, TransferBackend
 
 log = logging.getLogger(__name__)

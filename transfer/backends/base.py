@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from dsa_bridge.plugin.descriptors import BufferDescriptor
+from ...plugin.descriptors import BufferDescriptor
 
 
 class BackendError(Exception):

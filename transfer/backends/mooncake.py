@@ -50,8 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dsa_bridge.plugin.descriptors import BufferDescriptor
-
+from ...plugin.descriptors import BufferDescriptor
 from . import EngineBackend, device_index, env_defaults, rdma_devices
 from .base import BackendError, BackendUnavailable, TransferTimeout
 

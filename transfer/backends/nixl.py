@@ -42,8 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from dsa_bridge.plugin.descriptors import BufferDescriptor, raw_region
-
+from ...plugin.descriptors import BufferDescriptor, raw_region
 from . import (
     EngineBackend,
     FairLock,

@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .descriptors import BufferSet
-from .layout import DSALayout
+from ..descriptors import BufferSet
+from ..layout import DSALayout
 
 DSA_STATE = "dsa"
 KV_LORA_RANK = 512  # every DSA model sglang builds a DSATokenToKVPool for (DeepSeek-V3.2, GLM-5.x)

@@ -13,7 +13,7 @@ hooks:
   is kept.
 - on ``sglang.srt.disaggregation.utils.get_kv_class``: for the ``mooncake`` and ``nixl``
   backends, the manager, sender, receiver and bootstrap server are dsa-bridge's
-  (``sglang_conn``); other backends and ``KVArgs`` are sglang's. ``get_kv_class`` is called
+  (``conn``); other backends and ``KVArgs`` are sglang's. ``get_kv_class`` is called
   with the backend only — it cannot know the model — so the choice per model is made where the
   model shows: dsa-bridge's manager takes KVArgs whose only state is sglang's DSA indexer
   (``StateType.DSA``, which sglang's ``setup_state_kv_args`` publishes for its DSA pools) and
@@ -47,7 +47,7 @@ def dsa_pool_class(original, configurator, *, kind: str, default: type) -> type:
     DSA pool; anything else (other kinds, a platform's class) unchanged."""
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
-    from .sglang_pool import BridgeDSATokenToKVPool
+    from .pool import BridgeDSATokenToKVPool
 
     chosen = original(configurator, kind=kind, default=default)
     if kind != "dsa" or chosen is not DSATokenToKVPool:
@@ -62,13 +62,13 @@ def dsa_pool_class(original, configurator, *, kind: str, default: type) -> type:
 def dsa_bridge_kv_class(original, transfer_backend, class_type):
     """AROUND ``get_kv_class``: dsa-bridge's classes for the Mooncake and NIXL backends (each
     manager decides per model, see the module docstring); anything else sglang's."""
-    from . import sglang_conn
+    from . import conn
 
     chosen = {
-        "manager": sglang_conn.DSABridgeKVManager,
-        "sender": sglang_conn.DSABridgeKVSender,
-        "receiver": sglang_conn.DSABridgeKVReceiver,
-        "bootstrap_server": sglang_conn.DSABridgeKVBootstrapServer,
+        "manager": conn.DSABridgeKVManager,
+        "sender": conn.DSABridgeKVSender,
+        "receiver": conn.DSABridgeKVReceiver,
+        "bootstrap_server": conn.DSABridgeKVBootstrapServer,
     }.get(getattr(class_type, "value", class_type))
     if chosen is None or getattr(transfer_backend, "value", transfer_backend) not in BRIDGED_BACKENDS:
         return original(transfer_backend, class_type)

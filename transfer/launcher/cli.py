@@ -21,13 +21,13 @@ import threading
 
 import numpy as np
 
-from dsa_bridge.transfer import options
-from dsa_bridge.transfer.auth import load_secret
-from dsa_bridge.transfer.backends.base import BackendError
-from dsa_bridge.transfer.bench import add_bench_parser, run_bench
-from dsa_bridge.transfer.demo import run_demo
-from dsa_bridge.transfer.metrics import metrics_port
-from dsa_bridge.transfer.options import (
+from ..auth import load_secret
+from ..backends.base import BackendError
+from ..bench.command import add_bench_parser, run_bench
+from ..metrics import metrics_port
+from . import options
+from .demo import run_demo
+from .options import (
     listen_endpoint,
     non_negative_int,
     output_file,
@@ -39,7 +39,7 @@ from dsa_bridge.transfer.options import (
     secret_file,
     timeout_seconds,
 )
-from dsa_bridge.transfer.summary import print_summary, write_json_atomic
+from .summary import print_summary, write_json_atomic
 
 DEFAULT_POOL_TOKENS = 65536
 log = logging.getLogger("dsa_bridge")
@@ -155,8 +155,8 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
 
 def make_layout(args) -> tuple[dict, object]:
     """The model config and the pool layout the options describe."""
-    from dsa_bridge.plugin import DSALayout
-    from dsa_bridge.plugin.layout import load_model_config
+    from ...plugin import DSALayout
+    from ...plugin.layout import load_model_config
 
     config = load_model_config(args.model)
     kv_dtype = args.kv_dtype or config.get("dsa_bridge_kv_dtype", "fp8")
@@ -166,13 +166,13 @@ def make_layout(args) -> tuple[dict, object]:
 
 
 def make_pool(args):
-    from dsa_bridge.plugin import DSATokenToKVPool
+    from ...plugin import DSATokenToKVPool
 
     return DSATokenToKVPool.from_layout(make_layout(args)[1], size=args.pool_tokens)
 
 
 def cmd_pool(args) -> int:
-    from dsa_bridge.plugin import sizing
+    from ...plugin import sizing
 
     config, layout = make_layout(args)
     budget = int(args.budget_gib * 2**30)
@@ -203,11 +203,11 @@ def stop_on_signals() -> threading.Event:
 
 
 def cmd_prefill(args) -> int:
-    from dsa_bridge.transfer import metrics
-    from dsa_bridge.transfer.backends import create_backend
-    from dsa_bridge.transfer.control import parse_endpoint
-    from dsa_bridge.transfer.prefill import PrefillNode
-    from dsa_bridge.transfer.roles import PrefillReport, serve_prefill
+    from .. import metrics
+    from ..backends import create_backend
+    from ..control import parse_endpoint
+    from ..prefill import PrefillNode
+    from .drivers import PrefillReport, serve_prefill
 
     host, _ = parse_endpoint(args.listen, "--listen")
     stop = stop_on_signals()
@@ -246,12 +246,12 @@ def cmd_prefill(args) -> int:
 
 
 def cmd_decode(args) -> int:
-    from dsa_bridge.plugin import DSATokenToKVPool, index_layer_ids_for
-    from dsa_bridge.transfer import metrics
-    from dsa_bridge.transfer.backends import create_backend
-    from dsa_bridge.transfer.control import parse_endpoint
-    from dsa_bridge.transfer.decode import DecodeNode
-    from dsa_bridge.transfer.roles import drive_decode, request_lengths, reset_pages
+    from ...plugin import DSATokenToKVPool, index_layer_ids_for
+    from .. import metrics
+    from ..backends import create_backend
+    from ..control import parse_endpoint
+    from ..decode import DecodeNode
+    from .drivers import drive_decode, request_lengths, reset_pages
 
     endpoints = args.prefill.split(",")
     prefill_host, _ = parse_endpoint(endpoints[0], "--prefill")

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from dsa_bridge.transfer.summary import join_prefill, print_summary
+from .summary import join_prefill, print_summary
 
 
 def node_arguments(args) -> list[str]:
@@ -35,7 +35,7 @@ def node_arguments(args) -> list[str]:
 
 
 def launch(role: str, arguments: list[str], log_level: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "dsa_bridge.transfer.cli", "--log-level", log_level, role]
+    command = [sys.executable, "-m", "dsa_bridge.transfer.launcher.cli", "--log-level", log_level, role]
     return subprocess.Popen(command + arguments, stdout=sys.stderr, stdin=subprocess.DEVNULL)
 
 

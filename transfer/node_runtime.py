@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import zmq
 
-from dsa_bridge.plugin.descriptors import BufferDescriptor
-from dsa_bridge.transfer.backends.base import TransferBackend
-from dsa_bridge.transfer.control import ControlLoop, OnMessage, limit_receive
-from dsa_bridge.transfer.counters import Counters
+from ..plugin.descriptors import BufferDescriptor
+from .backends.base import TransferBackend
+from .control import ControlLoop, OnMessage, limit_receive
+from .counters import Counters
 
 
 @dataclass

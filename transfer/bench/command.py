@@ -1,7 +1,7 @@
 """``dsa-bridge bench``: how fast dsa-bridge moves DSA requests, against the engine and memcpy.
 
 Every figure is taken in one run, side by side, and reported as a ratio to baselines measured in
-that same run (medians of ``repeat`` interleaved runs; see ``bench_measure`` for how):
+that same run (medians of ``repeat`` interleaved runs; see ``measure`` for how):
 
 - **end-to-end**: a real PrefillNode in a child process, a real DecodeNode here, from decode's
   ``receiver.init`` to Success: control plane, planning, engine, completion;
@@ -34,11 +34,11 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from importlib import metadata
 
-from dsa_bridge.transfer.backends import BACKENDS
-from dsa_bridge.transfer.options import choice_list, output_dir
+from ..backends import BACKENDS
+from ..launcher.options import choice_list, output_dir
+from .sizes import SIZES
 
 REPORT_VERSION = 1
 LONG_REQUEST_TOKENS = 8192  # the ratio_vs_raw target holds from this request length on
@@ -47,37 +47,6 @@ TARGETS = {"ratio_vs_raw": 0.9, "plan_share": 0.02, "pool_vs_memcpy": 0.5, "chec
 TARGET_CONCURRENCY = (16, 64)  # requests in flight the concurrent_ratio_vs_raw target covers
 ENGINE_PACKAGES = ("mooncake-transfer-engine-non-cuda", "nixl-cu12")
 QUIET_ENV = {"MC_LOG_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "ERROR", "UCX_LOG_LEVEL": "error"}
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """What one run measures (token counts are multiples of the 64-token page)."""
-
-    repeat: int
-    lengths: tuple[int, ...]  # DeepSeek-V3.2, all 61 layers
-    long_lengths: tuple[int, ...]  # DeepSeek-V3.2 cut to long_layers layers (memory)
-    long_layers: int
-    layer_counts: tuple[int, ...]  # GLM-5.2 cut to this many layers, sweep_tokens a request
-    concurrency: tuple[int, ...]  # requests in flight, concurrency_tokens each, DeepSeek-V3.2
-    concurrency_tokens: int
-    sweep_tokens: int  # the layer and page-pattern sweeps' request length; one of ``lengths``
-    plan_lengths: tuple[int, ...]  # planning cost (address math only: no memory)
-    pool_tokens: int  # tokens per pool operation (the docs report 8192: full and quick)
-
-
-SIZES = {
-    "full": Sizes(repeat=9, lengths=(1024, 2048, 4096, 8192, 16384),
-                  long_lengths=(1024, 4096, 16384, 32768, 65536, 131072), long_layers=8,
-                  layer_counts=(1, 4, 16, 39, 78), concurrency=(1, 4, 16, 64),
-                  concurrency_tokens=256, sweep_tokens=8192,
-                  plan_lengths=(64, 1024, 4096, 16384, 65536, 131072), pool_tokens=8192),
-    "quick": Sizes(repeat=3, lengths=(1024, 8192, 16384), long_lengths=(131072,), long_layers=8,
-                   layer_counts=(78,), concurrency=(1, 16, 64), concurrency_tokens=256,
-                   sweep_tokens=8192, plan_lengths=(64, 8192, 131072), pool_tokens=8192),
-    "tiny": Sizes(repeat=1, lengths=(64, 256), long_lengths=(512,), long_layers=2,
-                  layer_counts=(2,), concurrency=(1, 2), concurrency_tokens=64,
-                  sweep_tokens=256, plan_lengths=(64, 1024), pool_tokens=256),
-}
 
 
 def machine() -> dict:
@@ -202,13 +171,13 @@ def summarize(transfers: list[dict], plan_share: dict, pool_rows: list[dict],
 
 def run(size: str, backends: list[str], indexer_layout: str = "uniform") -> dict:
     """Measure everything ``SIZES[size]`` asks for; the report as one JSON-ready dict."""
-    from dsa_bridge.transfer import bench_measure  # torch, the nodes and the engines
+    from . import measure  # torch, the nodes and the engines
 
     sizes = SIZES[size]
     started, load = time.monotonic(), os.getloadavg()
-    plan_rows = bench_measure.plan_cost(sizes)
-    transfers, transports = bench_measure.run_transfers(sizes, backends, indexer_layout)
-    pool_rows = bench_measure.pool_ops(sizes)
+    plan_rows = measure.plan_cost(sizes)
+    transfers, transports = measure.run_transfers(sizes, backends, indexer_layout)
+    pool_rows = measure.pool_ops(sizes)
     plan_share = add_plan_shares(plan_rows, transfers, backends)
     return {
         "version": REPORT_VERSION, "size": size, "repeat": sizes.repeat, "backends": backends,

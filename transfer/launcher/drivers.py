@@ -2,7 +2,7 @@
 
 ``serve_prefill`` answers every room a decode node announces as if it had just computed it: it
 allocates fragmented pages, fills every layer of both caches with the deterministic pattern of
-``pattern.py`` (the stand-in for the model's forward pass, timed in a ``PrefillReport``) and
+``launcher/page_pattern.py`` (the stand-in for the model's forward pass, timed in a ``PrefillReport``) and
 sends them in chunks. ``drive_decode`` issues requests of varied lengths, keeps several in
 flight, and checks every received byte of every layer against the same pattern, and that pages
 no request owns still hold the sentinel.
@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dsa_bridge.transfer.allocator import PageAllocator
-from dsa_bridge.transfer.decode import DecodeNode, KVReceiver
-from dsa_bridge.transfer.pattern import SENTINEL, expected_pages
-from dsa_bridge.transfer.prefill import IncomingRoom, PrefillNode
-from dsa_bridge.transfer.request import KVPoll
-from dsa_bridge.transfer.summary import busy_seconds, gbps
+from ..decode import DecodeNode, KVReceiver
+from ..prefill import IncomingRoom, PrefillNode
+from ..request import KVPoll
+from .page_allocator import PageAllocator
+from .page_pattern import SENTINEL, expected_pages
+from .summary import busy_seconds, gbps
 
 log = logging.getLogger(__name__)
 

@@ -6,13 +6,13 @@ dsa-bridge's ``PrefillNode`` / ``DecodeNode`` (layer-id pairing, bounds checks b
 deadlines, KVPoll states):
 
 - ``DSABridgeKVManager(args, mode, server_args, is_mla_backend)``: one per scheduler rank. From
-  the rank's ``KVArgs`` (``sglang_kvargs.bridge_buffers``: KV, DSA state and aux buffers with
+  the rank's ``KVArgs`` (``kvargs.bridge_buffers``: KV, DSA state and aux buffers with
   derived layer ids) it starts a ``PrefillNode`` and registers that node's control endpoint in
   sglang's bootstrap server (``PUT /route``, sglang's payload, ``kv_layout`` marking it
   dsa-bridge's); on decode it fetches the prefill's parallel info (``GET /route`` with -1s) and
   its ranks (``GET /route`` per rank), and starts one ``DecodeNode`` per prefill (DP group):
   handshake, layouts compared, buffers paired by layer id, before any request. KVArgs that are
-  not a DSA pool (``sglang_kvargs.dsa_problem``) get sglang's own manager of the configured
+  not a DSA pool (``kvargs.dsa_problem``) get sglang's own manager of the configured
   backend instead (logged): sglang's ``get_kv_class`` does not know the model, its KVArgs do.
 - ``DSABridgeKVSender``: ``init(num_kv_indices, aux_index)``, ``send(kv_indices, state_indices)``
   (the DSA state indices, with the last chunk, must be the request's KV pages: one function
@@ -54,12 +54,11 @@ from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_disagg, get_parallel, get_serving
 from sglang.srt.utils.network import get_local_ip_auto
 
-from dsa_bridge.transfer.backends import create_backend
-from dsa_bridge.transfer.decode import DecodeNode
-from dsa_bridge.transfer.handshake import HandshakeError
-from dsa_bridge.transfer.prefill import PrefillNode
-
-from .sglang_kvargs import bridge_buffers, dsa_problem
+from ...transfer.backends import create_backend
+from ...transfer.decode import DecodeNode
+from ...transfer.handshake import HandshakeError
+from ...transfer.prefill import PrefillNode
+from .kvargs import bridge_buffers, dsa_problem
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ import inspect
 import torch
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SGLangDSATokenToKVPool
 
-from .descriptors import BufferDescriptor, BufferSet
-from .layout import DSALayout
-from .pool import check_targets, check_token_locs, resolve_kv_dtype
+from ..descriptors import BufferDescriptor, BufferSet
+from ..layout import DSALayout
+from ..pool import check_targets, check_token_locs, resolve_kv_dtype
 
 
 class BridgeDSATokenToKVPool(SGLangDSATokenToKVPool):

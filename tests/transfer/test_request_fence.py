@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from dsa_bridge.transfer.rooms import RoomBook
+from dsa_bridge.transfer.request_fence import RoomBook
 
 A, B = "10.0.0.1:5000", "10.0.0.2:5000"
 BOUND = 600.0

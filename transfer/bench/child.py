@@ -1,8 +1,8 @@
 """The prefill child of ``dsa-bridge bench``: its command loop, and the bench process's handle
 on it.
 
-The child (``python -m dsa_bridge.transfer.bench_child --control ENDPOINT``) runs a real
-PrefillNode; the bench process, which runs the DecodeNode (``bench_measure.TransferSession``),
+The child (``python -m dsa_bridge.transfer.bench.child --control ENDPOINT``) runs a real
+PrefillNode; the bench process, which runs the DecodeNode (``bench.measure.TransferSession``),
 drives it over a private ZMQ PAIR socket; every command (a msgpack map) gets one answer:
 
 - ``setup``: build a pool of the given geometry, an engine backend and a PrefillNode, and answer
@@ -46,12 +46,12 @@ import msgspec
 import numpy as np
 import zmq
 
-from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
-from dsa_bridge.plugin.descriptors import BufferDescriptor
-from dsa_bridge.transfer.backends import create_backend
-from dsa_bridge.transfer.handshake import pair_with_peer, transfer_set
-from dsa_bridge.transfer.plan import plan_writes
-from dsa_bridge.transfer.prefill import PrefillNode
+from ...plugin import DSALayout, DSATokenToKVPool
+from ...plugin.descriptors import BufferDescriptor
+from ..backends import create_backend
+from ..handshake import pair_with_peer, transfer_set
+from ..plan import plan_writes
+from ..prefill import PrefillNode
 
 PAGE = 64
 COMMAND_TIMEOUT_S = 180.0
@@ -225,7 +225,7 @@ class PrefillChild:
         self._socket.setsockopt(zmq.SNDTIMEO, int(COMMAND_TIMEOUT_S * 1000))
         port = self._socket.bind_to_random_port("tcp://127.0.0.1")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "dsa_bridge.transfer.bench_child", "--control",
+            [sys.executable, "-m", "dsa_bridge.transfer.bench.child", "--control",
              f"tcp://127.0.0.1:{port}"], stdout=sys.stderr, stdin=subprocess.DEVNULL)
         try:
             self._receive("start", time.monotonic() + START_TIMEOUT_S)

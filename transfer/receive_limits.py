@@ -23,11 +23,11 @@ from collections.abc import Sequence
 
 import msgspec
 
-from dsa_bridge.plugin.descriptors import MAX_DEVICE_CHARS
-from dsa_bridge.plugin.layout import DSALayout
-from dsa_bridge.transfer import checksum, protocol
-from dsa_bridge.transfer.plan import BufferDescriptor
-from dsa_bridge.transfer.protocol import (
+from ..plugin.descriptors import MAX_DEVICE_CHARS
+from ..plugin.layout import DSALayout
+from . import checksum, protocol
+from .plan import BufferDescriptor
+from .protocol import (
     MAX_AUX_BUFFERS,
     MAX_BUFFERS,
     MAX_ENGINE_METADATA_BYTES,

@@ -1,7 +1,7 @@
 """The measurements of ``dsa-bridge bench``: transfers between two processes, the planner's cost
 and the pool operations, each next to the baseline it is reported against.
 
-Transfers: a real PrefillNode in a child process (``bench_child``), a real DecodeNode in the
+Transfers: a real PrefillNode in a child process (``bench.child``), a real DecodeNode in the
 bench process (``TransferSession``). End-to-end time is taken in the bench process from the first
 ``receiver.init`` to the moment the last request turned Success (its last ChunkDone handled):
 control plane both ways, planning, the engine and the completion report. End-to-end,
@@ -24,17 +24,19 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 import torch
 
-from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
-from dsa_bridge.plugin.descriptors import BufferDescriptor
-from dsa_bridge.transfer.allocator import PageAllocator
-from dsa_bridge.transfer.backends import create_backend
-from dsa_bridge.transfer.bench_child import (
+from ...plugin import DSALayout, DSATokenToKVPool
+from ...plugin.descriptors import BufferDescriptor
+from ..backends import create_backend
+from ..decode import DecodeNode, KVReceiver
+from ..launcher.page_allocator import PageAllocator
+from ..plan import pair_buffers, plan_writes
+from ..request import TERMINAL, KVPoll
+from .child import (
     COMMAND_TIMEOUT_S,
     PAGE,
     WRITE_TIMEOUT_S,
@@ -42,12 +44,7 @@ from dsa_bridge.transfer.bench_child import (
     PrefillChild,
     trim_heap,
 )
-from dsa_bridge.transfer.decode import DecodeNode, KVReceiver
-from dsa_bridge.transfer.plan import pair_buffers, plan_writes
-from dsa_bridge.transfer.request import TERMINAL, KVPoll
-
-if TYPE_CHECKING:
-    from dsa_bridge.transfer.bench import Sizes
+from .sizes import Sizes
 
 PATTERNS = ("contiguous", "fragmented", "per_page")
 LOC_PATTERNS = ("contiguous", "fragmented", "scattered")

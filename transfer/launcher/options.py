@@ -19,8 +19,8 @@ import os
 import socket
 from pathlib import Path
 
-from dsa_bridge.transfer import auth
-from dsa_bridge.transfer.control import parse_endpoint
+from .. import auth
+from ..control import parse_endpoint
 
 MAX_REQUESTS = 1_000_000  # request lengths are drawn up front, one int64 each
 MAX_LAYERS = 4096  # a layout holds one id per layer; real models have fewer than 200
@@ -209,8 +209,8 @@ def check_layout(args, make_layout) -> None:
     """--model (and the options ``make_layout(args) -> (config, layout)`` reads) describe a pool
     that can be built with --pool-tokens and, for the commands that allocate one, fits in this
     machine's memory."""
-    from dsa_bridge.plugin import sizing
-    from dsa_bridge.plugin.layout import load_model_config
+    from ...plugin import sizing
+    from ...plugin.layout import load_model_config
 
     try:
         layers = load_model_config(args.model).get("num_hidden_layers")

@@ -1,0 +1,5 @@
+"""dsa_bridge.transfer.bench: ``dsa-bridge bench``, a tool over the transfer core.
+
+``command`` is the subcommand and its report, ``measure`` the measurements, ``child`` the
+prefill process they drive.
+"""

@@ -50,7 +50,7 @@ from .handshake import (
 )
 from .node_runtime import NodeRuntime
 from .plan import PlanError, as_aux_buffers, as_page_ids, check_aux_index, check_pages
-from .request import TERMINAL, KVPoll, RequestState
+from .request import TERMINAL, KVPoll, RequestHandle
 from .request_fence import RoomBook
 from .verify import ChunkVerifier
 
@@ -84,16 +84,15 @@ class PrefillPeer:
     proven_gone: bool = False  # its old process can write no more (until it comes back)
 
 
-class KVReceiver:
+class KVReceiver(RequestHandle):
     """One request on the decode side (SGLang's BaseKVReceiver semantics), fed by one prefill
     node or by several that each hold a part of the layers (pipeline stages). Success once every
     one of them has written all of its part, exactly once."""
 
     def __init__(self, node: DecodeNode, room: int, peers: list[PrefillPeer], timeout_s: float):
+        super().__init__(room, timeout_s)
         self.node = node
-        self.room = room
         self.peers = peers
-        self.state = RequestState(room, timeout_s, time.monotonic())
         self.book = RoomBook(p.endpoint for p in peers)
         self.page_ids: np.ndarray | None = None
         self.aux_index: int | None = None
@@ -132,14 +131,8 @@ class KVReceiver:
             return None
         return max(self.peers, key=lambda p: max(p.layout.layer_ids))
 
-    def poll(self) -> KVPoll:
-        return self.state.status
-
     def abort(self, reason: str = "aborted by decode") -> None:
         self.node._abort(self, reason)
-
-    def failure_exception(self) -> Exception | None:
-        return self.state.failure_exception()
 
     def can_release(self) -> bool:
         """True once the request's pages may go back to the allocator (invariant 8)."""

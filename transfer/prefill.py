@@ -51,7 +51,7 @@ from .plan import (
     check_destination,
     pair_aux,
 )
-from .request import TERMINAL, KVPoll, RequestState
+from .request import TERMINAL, KVPoll, RequestHandle
 from .writer import Job, Result, Writer
 
 log = logging.getLogger(__name__)
@@ -101,13 +101,12 @@ class _Room:
     aux_index: int | None = None  # decode's aux slot
 
 
-class KVSender:
+class KVSender(RequestHandle):
     """One request on the prefill side (SGLang's BaseKVSender semantics)."""
 
     def __init__(self, node: PrefillNode, room: int, timeout_s: float):
+        super().__init__(room, timeout_s)
         self.node = node
-        self.room = room
-        self.state = RequestState(room, timeout_s, time.monotonic())
         self.num_pages: int | None = None
         self.pages_sent = 0
         self.chunks_sent = 0
@@ -131,14 +130,8 @@ class KVSender:
         ``num_pages`` is the last one."""
         self.node._send_chunk(self, as_page_ids(page_ids, "page_ids"))
 
-    def poll(self) -> KVPoll:
-        return self.state.status
-
     def abort(self, reason: str = "aborted by prefill") -> None:
         self.node._fail(self, reason)
-
-    def failure_exception(self) -> Exception | None:
-        return self.state.failure_exception()
 
     def can_release(self) -> bool:
         """True once no write reading this request's pages can still be running."""

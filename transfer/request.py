@@ -1,12 +1,18 @@
-"""Request states (SGLang's KVPoll) and the forward-only state holder both sides share.
+"""Request states (SGLang's KVPoll), the forward-only state holder both sides share, and the
+base of both sides' request handles.
 
 ``RequestState`` is pure: no locks, no clocks. The caller passes ``now`` (``time.monotonic()``)
 into every transition and question, and the node that owns the state guards it with its lock.
+``RequestHandle`` is what prefill's ``KVSender`` and decode's ``KVReceiver`` share: the room, its
+state, ``poll`` and ``failure_exception``; each side says how it aborts and when its pages may go
+back to the allocator.
 """
 
 from __future__ import annotations
 
+import abc
 import enum
+import time
 
 
 class KVPoll(enum.IntEnum):
@@ -84,3 +90,25 @@ class RequestState:
         if self._status != KVPoll.Failed:
             return None
         return TransferFailed(f"room {self.room}: {self._reason}")
+
+
+class RequestHandle(abc.ABC):
+    """One request on one side, as SGLang's sender and receiver are polled and aborted."""
+
+    def __init__(self, room: int, timeout_s: float):
+        self.room = room
+        self.state = RequestState(room, timeout_s, time.monotonic())
+
+    def poll(self) -> KVPoll:
+        return self.state.status
+
+    def failure_exception(self) -> TransferFailed | None:
+        return self.state.failure_exception()
+
+    @abc.abstractmethod
+    def abort(self, reason: str) -> None:
+        """Fail the request (no-op once terminal) and tell the other side."""
+
+    @abc.abstractmethod
+    def can_release(self) -> bool:
+        """True once the request's pages may go back to the allocator (invariant 8)."""

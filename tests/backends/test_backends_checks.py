@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from dsa_bridge.plugin.descriptors import BufferDescriptor, raw_region
-from dsa_bridge.transfer.backends import RegionTable, check_write_args, env_defaults
-from dsa_bridge.transfer.backends.base import BackendError
+from dsa_bridge.transfer.backends.base import BackendError, RegionTable, check_write_args
+from dsa_bridge.transfer.backends.environment import env_defaults
 from dsa_bridge.transfer.backends.mooncake import startup_log
 from dsa_bridge.transfer.backends.nixl import _xfer_lists
 

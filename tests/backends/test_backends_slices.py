@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dsa_bridge.transfer.backends import FairLock
+from dsa_bridge.transfer.backends.base import FairLock
 from dsa_bridge.transfer.backends.nixl import slices, split_descriptors
 
 U64 = np.uint64

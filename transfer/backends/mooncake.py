@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...plugin.descriptors import BufferDescriptor
-from . import EngineBackend, device_index, env_defaults, rdma_devices
-from .base import BackendError, BackendUnavailable, TransferTimeout
+from .base import BackendError, BackendUnavailable, EngineBackend, TransferTimeout, device_index
+from .environment import env_defaults, rdma_devices
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class _Outcome:
     abandoned: bool = False  # the caller timed out and no longer waits
 
 
-class MooncakeBackend(EngineBackend):
+class MooncakeBackend(EngineBackend[_Peer]):
     """TransferBackend over ``mooncake.engine.TransferEngine``."""
 
     name = "mooncake"
@@ -196,8 +196,7 @@ class MooncakeBackend(EngineBackend):
         self._engine = engine
         self._session = f"{host}:{engine.get_rpc_port()}"
         self._lock = threading.Lock()
-        self._init_regions()
-        self._peers: dict[str, _Peer] = {}
+        self._init_bookkeeping()
         log.info("mooncake: engine %s up, transport %s", self._session, self._transport)
 
     def _register_region(self, region: BufferDescriptor) -> None:
@@ -260,22 +259,16 @@ class MooncakeBackend(EngineBackend):
         log.info("mooncake: disconnected %s (read back %s)", peer,
                  "fine: it is still up" if rc == 0 else f"failed ({rc}): it is gone")
 
-    def write(
-        self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *, timeout_s: float
-    ) -> None:
-        """Write ``length[i]`` bytes from ``src[i]`` to the peer's ``dst[i]``, in batches.
+    def _write(self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *,
+               deadline: float, timeout_s: float) -> None:
+        """Write the entries in batches of ``max_batch``, one batch in flight per peer, in a
+        helper thread; the peer's endpoint is probed first until it has answered once.
 
         Raises BackendError(op, peer, code) when the engine reports a failure, TransferTimeout
         when ``timeout_s`` passes first. In both cases the destination may still be written
         after this returns: Mooncake keeps landing entries of a failed or abandoned batch.
         """
-        deadline, src, dst, length = self._write_args(peer, src, dst, length, timeout_s)
-        with self._lock:
-            self._check_open("write")
-            state = self._peers.get(peer)
-            if state is None:
-                raise BackendError(self.name, "write", "unknown peer (connect first)", peer=peer)
-            self._regions.locate("src", src, length)
+        with self._write_section(peer, src, length) as (state, _):
             engine = self._engine
             state.last_dst = int(dst[0])
             probe = None if state.answered else self._start_probe(engine, peer, state)

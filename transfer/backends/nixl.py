@@ -43,17 +43,16 @@ from typing import Any
 import numpy as np
 
 from ...plugin.descriptors import BufferDescriptor, raw_region
-from . import (
+from .base import (
+    BackendError,
+    BackendUnavailable,
     EngineBackend,
     FairLock,
     RegionTable,
+    TransferTimeout,
     device_index,
-    env_defaults,
-    interface_of,
-    rdma_devices,
-    rdma_ports,
 )
-from .base import BackendError, BackendUnavailable, TransferTimeout
+from .environment import env_defaults, interface_of, rdma_devices, rdma_ports
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +116,7 @@ def _net_devices(host: str) -> str:
     return ",".join([interface, *rdma_ports()]) if interface else ""
 
 
-class NixlBackend(EngineBackend):
+class NixlBackend(EngineBackend[RegionTable]):
     """TransferBackend over a ``nixl_agent`` with the UCX backend and no progress thread."""
 
     name = "nixl"
@@ -159,9 +158,8 @@ class NixlBackend(EngineBackend):
         self._transport = f"ucx ({ucx})"
         self._agent = agent
         self._lock = FairLock()  # the agent lock: granted in order (see FairLock)
-        self._init_regions()
+        self._init_bookkeeping()  # ``_peers``: the regions each peer announced
         self._reg_lists: dict[int, object] = {}
-        self._peers: dict[str, RegionTable] = {}
         self._unreleased: list[_Posting] = []
         self._progressed_at = time.monotonic()  # when progress() last drove the agent
         log.info("nixl: agent %s up, transport %s", self.agent_name, self._transport)
@@ -222,22 +220,16 @@ class NixlBackend(EngineBackend):
                 return
             self._call("remove_remote_agent", peer, self._agent.remove_remote_agent, peer)
 
-    def write(
-        self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *, timeout_s: float
-    ) -> None:
-        """Write ``length[i]`` bytes from ``src[i]`` to the peer's ``dst[i]``; block until "DONE".
+    def _write(self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *,
+               deadline: float, timeout_s: float) -> None:
+        """Check every destination range against the regions the peer announced, post the
+        descriptors in slices of ``post_bytes`` and poll until all are "DONE".
 
         Raises BackendError on an engine error ("ERR" or a nixl exception, message kept) and
         TransferTimeout when ``timeout_s`` passes first; the request is then released (UCX
         cancels it) and the destination may still be partly written.
         """
-        deadline, src, dst, length = self._write_args(peer, src, dst, length, timeout_s)
-        with self._lock:
-            self._check_open("write")
-            remote = self._peers.get(peer)
-            if remote is None:
-                raise BackendError(self.name, "write", "unknown peer (connect first)", peer=peer)
-            local_slot = self._regions.locate("src", src, length)
+        with self._write_section(peer, src, length) as (remote, local_slot):
             remote_slot = remote.locate("dst", dst, length, peer=peer)
             lists = _xfer_lists(self._regions, local_slot, src, length, remote, remote_slot, dst)
         postings: list[_Posting] = []

@@ -1,10 +1,12 @@
-"""Metrics: failure reasons reduced to fixed categories, the latency histogram, and each node's
-Prometheus endpoint scraped over HTTP on 127.0.0.1 (nodes over the in-process engine; live
-``dsa-bridge`` processes in tests/integration/test_ops.py)."""
+"""Metrics: failure reasons reduced to fixed categories, the latency histogram, the per-write
+histograms, one endpoint serving several ranks' merged stats, and each node's Prometheus endpoint
+scraped over HTTP on 127.0.0.1 (nodes over the in-process engine; live ``dsa-bridge`` processes in
+tests/integration/test_ops.py)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import urllib.request
 
@@ -13,7 +15,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsa_bridge.transfer import metrics
-from dsa_bridge.transfer.counters import CATEGORIES, LATENCY_BUCKETS, Counters, failure_category
+from dsa_bridge.transfer.counters import (
+    CATEGORIES,
+    LATENCY_BUCKETS,
+    WRITE_BYTES_BUCKETS,
+    WRITE_DESCRIPTORS_BUCKETS,
+    Counters,
+    Stats,
+    failure_category,
+    merge,
+)
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.launcher.cli import main
 from dsa_bridge.transfer.launcher.drivers import fill_request
@@ -133,6 +144,8 @@ def test_both_nodes_export_exact_counts(served):
         assert got[("dsa_bridge_peers_connected", ())] == 1
         assert got[("dsa_bridge_handshakes_total", (("result", "ok"),))] == 1
         assert got[("dsa_bridge_checksum_seconds_total", ())] > 0
+        assert got[("dsa_bridge_write_bytes_sum", ())] == 6 * page_bytes * 4
+        assert got[("dsa_bridge_write_descriptors_sum", ())] == 3 * 8
         assert {labels for name, labels in got if name == "dsa_bridge_request_failures_total"} == {
             (("reason", category),) for category in CATEGORIES}
         assert got[("dsa_bridge_node_info", (("backend", "mooncake"), ("name", node.name),
@@ -153,6 +166,72 @@ def test_pages_a_failed_write_may_still_land_in_are_held(served):
     got = scrape(decode_metrics)
     assert got[("dsa_bridge_pages_held", ())] == 3
     assert got[("dsa_bridge_request_failures_total", (("reason", "engine"),))] == 1
+
+
+def rank_stats(writes, oks=(), failures=()) -> Stats:
+    counters = Counters()
+    for seconds, nbytes, descriptors in writes:
+        counters.record_write(seconds, nbytes, descriptors)
+    for seconds in oks:
+        counters.request_ok(seconds)
+    for reason in failures:
+        counters.request_failed(reason)
+    counters.add(quarantines=1)
+    return counters.stats()
+
+
+def test_one_endpoint_serves_the_merged_stats_of_several_ranks():
+    ranks = [rank_stats([(0.002, 4096, 8), (0.004, 4096, 8)], oks=[0.3], failures=["timed out"]),
+             rank_stats([(0.5, 4**10, 100)], oks=[0.3, 2.0]),
+             rank_stats([], failures=["checksum mismatch: page 1", "timed out after 9s"])]
+    blobs = {rank: stats.encode() for rank, stats in enumerate(ranks)}  # as the ranks would send them
+    with contextlib.closing(metrics.MetricsServer("127.0.0.1", 0)) as server:
+        server.watch_stats(lambda: merge(*(Stats.decode(blob) for blob in blobs.values())), "decode")
+        got = scrape(server)
+        blobs[3] = rank_stats([(0.001, 1, 1)]).encode()  # a rank that joins: the next scrape sees it
+        later = scrape(server)
+    assert got[("dsa_bridge_requests_total", (("state", "success"),))] == 3
+    assert got[("dsa_bridge_requests_total", (("state", "failed"),))] == 3
+    assert got[("dsa_bridge_request_failures_total", (("reason", "timeout"),))] == 2
+    assert got[("dsa_bridge_request_failures_total", (("reason", "checksum"),))] == 1
+    assert got[("dsa_bridge_transfer_chunks_total", ())] == 3
+    assert got[("dsa_bridge_transfer_bytes_total", ())] == 2 * 4096 + 4**10
+    assert got[("dsa_bridge_quarantines_total", ())] == 3
+    assert got[("dsa_bridge_transfer_latency_seconds_count", ())] == 3
+    assert got[("dsa_bridge_transfer_latency_seconds_bucket", (("le", "0.25"),))] == 0
+    assert got[("dsa_bridge_transfer_latency_seconds_bucket", (("le", "0.5"),))] == 2
+    assert got[("dsa_bridge_transfer_latency_seconds_bucket", (("le", "2.5"),))] == 3
+    assert got[("dsa_bridge_write_seconds_count", ())] == 3
+    assert got[("dsa_bridge_write_seconds_sum", ())] == pytest.approx(0.506)
+    assert got[("dsa_bridge_write_seconds_bucket", (("le", "0.0025"),))] == 1
+    assert got[("dsa_bridge_write_seconds_bucket", (("le", "0.005"),))] == 2
+    assert got[("dsa_bridge_write_seconds_bucket", (("le", "0.5"),))] == 3
+    bytes_buckets = {labels[0][1]: value for (name, labels), value in got.items()
+                     if name == "dsa_bridge_write_bytes_bucket"}
+    assert len(bytes_buckets) == len(WRITE_BYTES_BUCKETS) + 1
+    assert bytes_buckets["4096.0"] == 2 and bytes_buckets["262144.0"] == 2
+    assert bytes_buckets["1.048576e+06"] == bytes_buckets["+Inf"] == 3
+    assert got[("dsa_bridge_write_bytes_sum", ())] == 2 * 4096 + 4**10
+    descriptor_buckets = {labels[0][1]: value for (name, labels), value in got.items()
+                          if name == "dsa_bridge_write_descriptors_bucket"}
+    assert len(descriptor_buckets) == len(WRITE_DESCRIPTORS_BUCKETS) + 1
+    assert descriptor_buckets["4.0"] == 0 and descriptor_buckets["16.0"] == 2
+    assert descriptor_buckets["64.0"] == 2 and descriptor_buckets["256.0"] == 3
+    assert got[("dsa_bridge_write_descriptors_sum", ())] == 116
+    assert later[("dsa_bridge_write_seconds_count", ())] == 4
+    assert later[("dsa_bridge_write_bytes_bucket", (("le", "4096.0"),))] == 3
+
+
+def test_metrics_of_a_role_and_of_no_role():
+    names = {family.name for family in metrics.stats_metrics(Stats(), "prefill")}
+    assert {"dsa_bridge_write_seconds", "dsa_bridge_write_bytes", "dsa_bridge_write_descriptors",
+            "dsa_bridge_transfer_latency_seconds", "dsa_bridge_requests"} <= names
+    assert "dsa_bridge_quarantines" not in names  # decode's fence
+    assert "dsa_bridge_quarantines" in {f.name for f in metrics.stats_metrics(Stats(), "decode")}
+    with pytest.raises(ValueError, match="role must be one of prefill, decode"):
+        metrics.stats_metrics(Stats(), "router")
+    with pytest.raises(ValueError, match="role must be one of prefill, decode"):
+        metrics.StatsCollector(Stats, "router")
 
 
 def test_a_port_in_use_and_port_zero():

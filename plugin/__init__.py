@@ -12,6 +12,7 @@ from __future__ import annotations
 from .descriptors import (
     CACHE_KINDS,
     BufferDescriptor,
+    BufferKey,
     CacheKind,
     page_bytes,
     to_three_lists,
@@ -52,6 +53,7 @@ __all__ = [
     "LAYOUT_VERSION",
     "PRESETS",
     "BufferDescriptor",
+    "BufferKey",
     "CacheKind",
     "CpuCopy",
     "DSALayout",

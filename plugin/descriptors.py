@@ -15,7 +15,7 @@ one (logged, never registered or planned); anything else odd is refused.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Literal
 
 import msgspec
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 CacheKind = Literal["kv", "index"]
 CACHE_KINDS: tuple[str, ...] = ("kv", "index")
+BufferKey = tuple[int, str]  # (global layer id, cache kind): one buffer of a pool
 ADDRESS_LIMIT = 2**63  # no real buffer ends there; engines take addresses as int64
 MAX_KIND_CHARS = 8  # "kv", "index", "aux", "raw"
 MAX_DEVICE_CHARS = 16  # "cpu", "cuda:15"
@@ -116,7 +117,7 @@ def validate_descriptors(
     descs: Sequence[BufferDescriptor], layout: DSALayout | None = None
 ) -> None:
     """Raise ValueError naming the layer (and kind) on the first problem; see module docstring."""
-    seen: dict[tuple[int, str], BufferDescriptor] = {}
+    seen: dict[BufferKey, BufferDescriptor] = {}
     for d in descs:
         _check_one(d)
         key = (d.layer_id, d.kind)
@@ -134,19 +135,18 @@ def validate_descriptors(
         if d.item_len != want:
             raise ValueError(f"{d.name()}: item_len {d.item_len} != layout's {want}")
     layers = {lid for lid, _ in seen}
-    missing = sorted(set(layout.layer_ids) - layers)
-    if missing:
-        raise ValueError(f"layer {missing[0]}: in the layout but has no buffers")
-    extra = sorted(layers - set(layout.layer_ids))
-    if extra:
-        raise ValueError(f"layer {extra[0]}: has buffers but is not in the layout")
     index_layers = {lid for lid, kind in seen if kind == "index"}
-    lacking = sorted(set(layout.index_layer_ids) - index_layers)
-    if lacking:
-        raise ValueError(f"layer {lacking[0]}: the layout holds its indexer but no index buffer is given")
-    surplus = sorted(index_layers - set(layout.index_layer_ids))
-    if surplus:
-        raise ValueError(f"layer {surplus[0]}: has an index buffer but {layout.absent_indexer(surplus[0])}")
+    held, indexed = set(layout.layer_ids), set(layout.index_layer_ids)
+    mismatches: tuple[tuple[set[int], Callable[[int], str]], ...] = (  # layer ids, what is wrong
+        (held - layers, lambda lid: "in the layout but has no buffers"),
+        (layers - held, lambda lid: "has buffers but is not in the layout"),
+        (indexed - index_layers, lambda lid: "the layout holds its indexer but no index buffer is given"),
+        (index_layers - indexed, lambda lid: f"has an index buffer but {layout.absent_indexer(lid)}"),
+    )
+    for layer_ids, problem in mismatches:
+        if layer_ids:
+            first = min(layer_ids)
+            raise ValueError(f"layer {first}: {problem(first)}")
 
 
 def ordered(descs: Sequence[BufferDescriptor]) -> list[BufferDescriptor]:

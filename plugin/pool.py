@@ -127,6 +127,13 @@ def _device_copy(dst_index: torch.Tensor | None, src_index: torch.Tensor | None,
         dst.index_copy_(0, dst_index, rows.to(dst.device))
 
 
+def _save_rows(row_copy: RowCopy, view: torch.Tensor, values: torch.Tensor,
+               part: tuple[int, int]) -> None:
+    """One part of one layer of a chunk of the pool (row view ``view``) into a host copy's
+    ``values``."""
+    row_copy(_rows(values, *part), view)
+
+
 def _load_rows(row_copy: RowCopy, view: torch.Tensor, values: torch.Tensor, part: tuple[int, int],
                dev: torch.device) -> None:
     """One part of one layer of a chunk of a host copy into the pool; moved to the pool's
@@ -595,20 +602,30 @@ class DSATokenToKVPool:
             if out.num_tokens != n:
                 raise ValueError(f"out holds {out.num_tokens} tokens but token_locs has {n}")
             copy = out
+        self._walk_host_copy(copy, locs, chunk_size, load=False)
+        return copy
+
+    def _walk_host_copy(self, copy: CpuCopy, locs: torch.Tensor, chunk_size: int, *,
+                        load: bool) -> None:
+        """What ``get_cpu_copy`` (``load`` False: pool -> host) and ``load_cpu_copy`` (``load``
+        True: host -> pool) share: ``chunk_size`` tokens at a time, every part of every layer's
+        rows between the pool's row views and the copy's host tensors, the row copy planned once
+        per chunk and part. Checked by the caller."""
+        dev = self.kv_buffer[0].device
+        move = functools.partial(_load_rows, dev=dev) if load else _save_rows
         host = self._copy_parts(copy.kv, copy.index_keys, copy.index_scales)
-        for start in range(0, n, chunk_size):
+        for start in range(0, copy.num_tokens, chunk_size):
             chunk = locs[start : start + chunk_size]
             by_page, end = self._whole_pages(chunk), start + chunk.numel()
             parts = self._parts[by_page]
-            copies = [_row_copy(None, index, width)
+            copies = [_row_copy(index, None, width) if load else _row_copy(None, index, width)
                       for index, (width, _) in zip(self._row_index(chunk, by_page), parts, strict=True)]
             tasks = []
-            for views, outs in zip(self._row_views[by_page], host, strict=True):
-                tasks += [functools.partial(row_copy, _rows(t[start:end], *part), view)
-                          for row_copy, view, t, part in zip(copies, views, outs, parts,
+            for views, tensors in zip(self._row_views[by_page], host, strict=True):
+                tasks += [functools.partial(move, row_copy, view, t[start:end], part)
+                          for row_copy, view, t, part in zip(copies, views, tensors, parts,
                                                                strict=False)]
             self._run(tasks, chunk.numel())
-        return copy
 
     def _copy_parts(self, kv, keys, scales) -> list[tuple[torch.Tensor, ...]]:
         """Per layer position, the host tensors of a copy that match its row views: (kv,) for a
@@ -672,17 +689,4 @@ class DSATokenToKVPool:
             raise ValueError(
                 f"token_locs has {locs.numel()} locations but the copy holds {copy.num_tokens}"
             )
-        dev = self.kv_buffer[0].device
-        host = self._copy_parts(copy.kv, copy.index_keys, copy.index_scales)
-        for start in range(0, copy.num_tokens, chunk_size):
-            chunk = locs[start : start + chunk_size]
-            by_page, end = self._whole_pages(chunk), start + chunk.numel()
-            parts = self._parts[by_page]
-            copies = [_row_copy(index, None, width)
-                      for index, (width, _) in zip(self._row_index(chunk, by_page), parts, strict=True)]
-            tasks = []
-            for views, saved in zip(self._row_views[by_page], host, strict=True):
-                tasks += [functools.partial(_load_rows, row_copy, view, t[start:end], part, dev)
-                          for row_copy, view, t, part in zip(copies, views, saved, parts,
-                                                               strict=False)]
-            self._run(tasks, chunk.numel())
+        self._walk_host_copy(copy, locs, chunk_size, load=True)

@@ -25,14 +25,13 @@ import numpy as np
 import torch
 import xxhash
 
+from ..plugin.descriptors import BufferKey
 from . import protocol
 
 XXH3 = "xxh3_64"
 WSUM = "wsum64"
 ALGORITHMS = (XXH3, WSUM)
 MAX_CHECKSUM_BYTES = protocol.MAX_MESSAGE_BYTES // 2  # of one ChunkDone; the rest is headroom
-
-BufferKey = tuple[int, str]  # (global layer id, cache kind)
 
 
 class ChecksumError(ValueError):

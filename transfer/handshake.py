@@ -26,12 +26,10 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from ..plugin.descriptors import BufferDescriptor, validate_descriptors
+from ..plugin.descriptors import BufferDescriptor, BufferKey, validate_descriptors
 from ..plugin.layout import DSALayout
 from .plan import PairTable, PlanError, pair_buffers
 from .protocol import MAX_BUFFERS, MAX_LAYERS, PROTOCOL_VERSION
-
-BufferKey = tuple[int, str]  # (global layer id, cache kind)
 
 
 class HandshakeError(RuntimeError):

@@ -50,11 +50,15 @@ def oracle_write(layout: DSALayout, snap: dict, lid: int, loc: int, values: tupl
     row[ps * d + off * s : ps * d + (off + 1) * s] = values[2]
 
 
-def oracle_move(layout: DSALayout, before: dict, tgt: list[int], src: list[int]) -> dict:
+def oracle_move(layout: DSALayout, before: dict, tgt: list[int], src: list[int],
+                source: dict | None = None) -> dict:
+    """``before`` with each token ``src[i]``'s bytes written at ``tgt[i]`` (every layer), taken
+    from the snapshot ``source`` (default: ``before`` itself)."""
+    source = before if source is None else source
     after = {k: v.copy() for k, v in before.items()}
     for lid in layout.layer_ids:
         for t, s in zip(tgt, src, strict=True):
-            oracle_write(layout, after, lid, t, token_bytes(layout, before, lid, s))
+            oracle_write(layout, after, lid, t, token_bytes(layout, source, lid, s))
     return after
 
 
@@ -230,11 +234,7 @@ def test_cpu_copy_round_trip_to_other_locations(pool_bytes, data, chunk, seed):
     pool_bytes.fill(pool, seed + 1)  # the pool moves on; other tokens share the pages
     later = pool_bytes.snapshot(pool)
     pool.load_cpu_copy(copy, locs(dst), chunk_size=chunk)
-    expected = {k: v.copy() for k, v in later.items()}
-    for lid in LAYOUT.layer_ids:
-        for s, t in zip(src, dst, strict=True):
-            oracle_write(LAYOUT, expected, lid, t, token_bytes(LAYOUT, taken, lid, s))
-    pool_bytes.assert_equal(pool, expected)
+    pool_bytes.assert_equal(pool, oracle_move(LAYOUT, later, dst, src, source=taken))
 
 
 def test_cpu_copy_same_locations_restores_exactly(pool_bytes):
@@ -291,11 +291,7 @@ def test_cpu_copy_any_chunk_size_matches_oracle(pool_bytes, data, src, page_map,
         pool_bytes.fill(pool, seed + 1)
         later = pool_bytes.snapshot(pool)
         pool.load_cpu_copy(copy, locs(dst), chunk_size=load_chunk)
-    expected = {k: v.copy() for k, v in later.items()}
-    for lid in LAYOUT.layer_ids:
-        for s, t in zip(src, dst, strict=True):
-            oracle_write(LAYOUT, expected, lid, t, token_bytes(LAYOUT, taken, lid, s))
-    pool_bytes.assert_equal(pool, expected)
+    pool_bytes.assert_equal(pool, oracle_move(LAYOUT, later, dst, src, source=taken))
 
 
 @pytest.mark.parametrize("chunk", [3, 65])

@@ -13,15 +13,19 @@ SMALL_CONFIG = {"num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim":
                 "index_head_dim": 128}
 
 
-def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    """Poll ``predicate`` until it is truthy; fail the test after ``timeout_s``."""
+def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition", *, poll_s: float = 0.002,
+             error: type[Exception] = AssertionError):
+    """Poll ``predicate`` every ``poll_s`` until it is truthy and return its value; after
+    ``timeout_s`` (the predicate asked once more at the deadline) raise ``error`` — by default
+    an AssertionError, which fails the test; a caller that catches the timeout names its own."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         value = predicate()
         if value:
             return value
-        time.sleep(0.002)
-    raise AssertionError(f"{what} not reached within {timeout_s}s")
+        if time.monotonic() >= deadline:
+            raise error(f"{what} not reached within {timeout_s}s")
+        time.sleep(poll_s)
 
 
 def make_pool(config=None, *, size: int = 64 * 32, sentinel: bool = False, **layout_kw):

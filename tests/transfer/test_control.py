@@ -93,16 +93,22 @@ def run(loop: ControlLoop, recorder: Recorder, total: int, timeout_s: float = 30
         loop.stop()
 
 
-def test_at_most_a_batch_is_handled_between_two_ticks(context):
+def flood(context, loop: ControlLoop, recorder: Recorder, count: int, data: bytes = HEARTBEAT) -> None:
+    """Give ``loop`` one socket, queue ``count`` messages into it, then run the loop until every
+    one is handled or counted bad."""
     pair = Pair(context)
-    recorder = Recorder()
-    loop = ControlLoop("t", recorder.on_message, recorder.on_tick, batch=16, budget_s=10.0)
     loop.add_socket(pair.inbox)
     try:
-        queued(pair, 5000)
-        run(loop, recorder, 5000)
+        queued(pair, count, data)
+        run(loop, recorder, count)
     finally:
         pair.close()
+
+
+def test_at_most_a_batch_is_handled_between_two_ticks(context):
+    recorder = Recorder()
+    loop = ControlLoop("t", recorder.on_message, recorder.on_tick, batch=16, budget_s=10.0)
+    flood(context, loop, recorder, 5000)
     steps = recorder.steps()
     assert len(recorder.handled) == 5000
     assert max(steps) == 16  # full batches while the queue lasted, never more
@@ -161,32 +167,20 @@ def test_a_burst_of_sends_wakes_the_loop_once_and_every_message_leaves(context, 
 
 
 def test_the_time_budget_ends_a_round_before_its_batch(context):
-    pair = Pair(context)
     recorder = Recorder(cost_s=0.004)
     loop = ControlLoop("t", recorder.on_message, recorder.on_tick, batch=1000, budget_s=0.01)
-    loop.add_socket(pair.inbox)
-    try:
-        queued(pair, 100)
-        run(loop, recorder, 100)
-    finally:
-        pair.close()
+    flood(context, loop, recorder, 100)
     steps = recorder.steps()
     assert 1 < max(steps) <= 4  # 4 ms each: the budget of 10 ms is past after the third
     assert loop.max_tick_gap_s >= 0.008
 
 
 def test_junk_is_bounded_per_round_too(context):
-    pair = Pair(context)
     recorder = Recorder()
     loop = ControlLoop("t", recorder.on_message, recorder.on_tick, batch=8, budget_s=10.0)
-    loop.add_socket(pair.inbox)
     counts: list[int] = []
     loop._on_tick = lambda now: counts.append(loop.bad_messages)
-    try:
-        queued(pair, 2000, b"\xc1junk")
-        run(loop, recorder, 2000)
-    finally:
-        pair.close()
+    flood(context, loop, recorder, 2000, b"\xc1junk")
     assert loop.bad_messages == 2000 and not recorder.handled
     assert max(b - a for a, b in zip(counts, counts[1:], strict=False)) == 8
 
@@ -211,15 +205,9 @@ def test_sockets_take_turns(context):
 
 def test_drops_beyond_a_burst_are_summarised(context, caplog):
     caplog.set_level(logging.WARNING, logger="dsa_bridge.transfer")
-    pair = Pair(context)
     recorder = Recorder()
     loop = ControlLoop("t", recorder.on_message, recorder.on_tick)
-    loop.add_socket(pair.inbox)
-    try:
-        queued(pair, 500, b"\xc1")
-        run(loop, recorder, 500)
-    finally:
-        pair.close()
+    flood(context, loop, recorder, 500, b"\xc1")
     lines = [r.getMessage() for r in caplog.records]
     one_by_one = [line for line in lines if "dropped a message: bad message" in line]
     summaries = [line for line in lines if "more messages in" in line]

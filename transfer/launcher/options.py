@@ -155,13 +155,19 @@ def peer_endpoints(text: str) -> str:
     return ",".join(peer_endpoint(part) for part in text.split(","))
 
 
+def _writable_directory(directory: Path, label: str, not_a_directory: str) -> None:
+    """``directory`` (``label`` in the messages) must be a directory we may write into;
+    ``not_a_directory``: what the message says when it is not one."""
+    if not directory.is_dir():
+        raise argparse.ArgumentTypeError(f"{label} {not_a_directory}")
+    if not os.access(directory, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{label} is not writable")
+
+
 def output_file(text: str) -> str:
     """A file we will write: its directory must exist and be writable."""
     directory = Path(text).parent
-    if not directory.is_dir():
-        raise argparse.ArgumentTypeError(f"directory {str(directory)!r} does not exist")
-    if not os.access(directory, os.W_OK):
-        raise argparse.ArgumentTypeError(f"directory {str(directory)!r} is not writable")
+    _writable_directory(directory, f"directory {str(directory)!r}", "does not exist")
     return text
 
 
@@ -169,10 +175,7 @@ def output_dir(text: str) -> str:
     """A directory we will create if needed and write into."""
     path = Path(text)
     existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        raise argparse.ArgumentTypeError(f"{str(existing)!r} is not a directory")
-    if not os.access(existing, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{str(existing)!r} is not writable")
+    _writable_directory(existing, repr(str(existing)), "is not a directory")
     return text
 
 

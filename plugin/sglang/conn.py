@@ -7,28 +7,37 @@ deadlines, KVPoll states):
 
 - ``DSABridgeKVManager(args, mode, server_args, is_mla_backend)``: one per scheduler rank. From
   the rank's ``KVArgs`` (``kvargs.bridge_buffers``: KV, DSA state and aux buffers with
-  derived layer ids) it starts a ``PrefillNode`` and registers that node's control endpoint in
-  sglang's bootstrap server (``PUT /route``, sglang's payload, ``kv_layout`` marking it
-  dsa-bridge's); on decode it fetches the prefill's parallel info (``GET /route`` with -1s) and
-  its ranks (``GET /route`` per rank), and starts one ``DecodeNode`` per prefill (DP group):
-  handshake, layouts compared, buffers paired by layer id, before any request. KVArgs that are
-  not a DSA pool (``kvargs.dsa_problem``) get sglang's own manager of the configured
-  backend instead (logged): sglang's ``get_kv_class`` does not know the model, its KVArgs do.
+  derived layer ids) it starts a ``PrefillNode`` on the rank's IP (sglang's
+  ``get_local_ip_auto``: ``SGLANG_HOST_IP`` or detected) and registers that node's control
+  endpoint in sglang's bootstrap server (``PUT /route``, sglang's payload, ``kv_layout`` marking
+  it dsa-bridge's) at the host sglang registers to (``bootstrap_host``); with pipeline stages it
+  keeps every stage's request status in sglang's ``PPConsensusStore`` for ``poll_pp_consensus``.
+  On decode it fetches the prefill's parallel info (``GET /route`` with -1s) and its ranks
+  (``GET /route`` per rank), and starts one ``DecodeNode`` per prefill (DP group): handshake,
+  layouts compared, buffers paired by layer id, before any request. A prefill it cannot pair
+  with (``pairing_problems``) is refused, never raised: ``try_ensure_parallel_info`` answers
+  False, logs the reason once, and that prefill's receivers fail with it. A node that failed to
+  connect is retried with backoff (``PeerBackoff``), its requests failing at once meanwhile.
+  KVArgs that are not a DSA pool (``kvargs.dsa_problem``) get sglang's own manager of the
+  configured backend instead (logged): sglang's ``get_kv_class`` does not know the model, its
+  KVArgs do.
 - ``DSABridgeKVSender``: ``init(num_kv_indices, aux_index)``, ``send(kv_indices, state_indices)``
   (the DSA state indices, with the last chunk, must be the request's KV pages: one function
-  derives the indexer pages), ``poll()``, ``failure_exception()`` raising, ``abort()``.
+  derives the indexer pages), ``poll()``, ``poll_pp_consensus()`` (every stage's status, on
+  pipeline stage 0), ``failure_exception()`` raising, ``abort()``, ``clear()``.
 - ``DSABridgeKVReceiver``: ``init(prefill_dp_rank)`` (connects to that prefill; a refused
   handshake fails the request, with the reason), ``send_metadata(kv_indices, aux_index,
-  state_indices, decode_prefix_len, destination)``, ``poll()``, ``failure_exception()``,
-  ``abort()``, ``clear()``.
+  state_indices, decode_prefix_len, destination)``, ``poll()`` (Failed, with the reason, once
+  its prefill is refused), ``failure_exception()``, ``abort()``, ``clear()``.
 - ``DSABridgeKVBootstrapServer``: sglang's own HTTP registry (``CommonKVBootstrapServer``, the
   routes its decode calls), so prefill ranks of either connector register there.
 
 Senders and receivers built over a sglang manager (the non-DSA fallback) are sglang's own.
-Limits (refused with a message, see docs/sglang.md): equal attention-TP widths on both sides,
-attention CP 1, no KV sharding, decode with one pipeline stage, prefill DP only when decode
-can compute the rank (one DP group or ``follow_bootstrap_room``), device destinations only, no
-decode radix-cache prefix.
+Limits (refused with a message naming the flag to change, see docs/sglang.md): equal
+attention-TP widths on both sides, attention CP 1, no KV sharding, decode with one pipeline
+stage, prefill DP only when decode can compute the rank (one DP group or
+``follow_bootstrap_room``, without a forced DP-rank query), device destinations only, no decode
+radix-cache prefix.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import importlib
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import requests
@@ -49,11 +59,13 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferMetric,
 )
 from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer, PrefillServerInfo
+from sglang.srt.disaggregation.pp_consensus_store import PPConsensusStore
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_disagg, get_parallel, get_serving
-from sglang.srt.utils.network import get_local_ip_auto
+from sglang.srt.utils.network import NetworkAddress, get_local_ip_auto
 
+from ...transfer import auth
 from ...transfer.backends import create_backend
 from ...transfer.decode import DecodeNode
 from ...transfer.handshake import HandshakeError
@@ -67,6 +79,10 @@ BACKENDS = {"mooncake": ("sglang.srt.disaggregation.mooncake", "Mooncake"),
             "nixl": ("sglang.srt.disaggregation.nixl", "Nixl")}
 HTTP_TIMEOUT_S = 5.0
 REGISTER_WAIT_S = 30.0  # for the bootstrap server to listen when a prefill rank registers
+BACKOFF_FIRST_S = 1.0  # after a prefill's first failed connection; doubling per failure...
+BACKOFF_MAX_S = 30.0  # ...up to this
+STAGE_REPORT_S = 0.005  # how often a later pipeline stage reports its senders' statuses to stage 0
+TERMINAL = (KVPoll.Failed, KVPoll.Success)
 
 
 def sglang_class(backend: str, role: str) -> type:
@@ -83,8 +99,64 @@ def _backend_of(server_args) -> str:
     return backend
 
 
-def _host() -> str:
-    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(get_serving().host, get_serving().host)
+def bootstrap_host(serving_host: str, dist_init_addr: str | None) -> str:
+    """The host a prefill rank registers to, as sglang's ``CommonKVManager.register_to_bootstrap``
+    chooses it: with ``--dist-init-addr`` (multi-node) that address's host, where the bootstrap
+    server runs beside rank 0; otherwise ``--host``, a wildcard rewritten to the loopback of its
+    family (the wildcard listener binds it too, and a single node's ranks are all local)."""
+    if dist_init_addr:
+        return NetworkAddress.parse(dist_init_addr).resolved().host
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(serving_host, serving_host)
+
+
+def pairing_problems(info: PrefillServerInfo, *, page_size: int, kv_cache_dtype: str | None,
+                     attn_tp_size: int, force_dp_query: bool) -> list[str]:
+    """Why this decode rank cannot pair with the prefill whose parallel info is ``info``, each
+    reason naming the flag to change; empty when it can."""
+    problems = []
+    if info.kv_layout != KV_LAYOUT_MARK:
+        problems.append(f"the prefill registered kv_layout {info.kv_layout!r}, not dsa-bridge's: it "
+                        "does not run dsa-bridge's transfer (set SGLANG_PLUGINS=dsa_bridge on the "
+                        "prefill too)")
+    if info.page_size != page_size:
+        problems.append(f"page size: prefill {info.page_size}, decode {page_size} (both servers "
+                        "need the same --page-size)")
+    if info.kv_cache_dtype != kv_cache_dtype:
+        problems.append(f"KV cache dtype: prefill {info.kv_cache_dtype}, decode {kv_cache_dtype} "
+                        "(both servers need the same --kv-cache-dtype)")
+    if info.attn_tp_size != attn_tp_size:
+        problems.append(f"attention-TP width: prefill {info.attn_tp_size}, decode {attn_tp_size} "
+                        "(dsa-bridge pairs decode rank r with prefill rank r: give both servers the "
+                        "same --tp-size / (--attn-dp-size x --attn-cp-size))")
+    if info.attn_cp_size != 1:
+        problems.append(f"attention CP: prefill {info.attn_cp_size} (dsa-bridge serves "
+                        "--attn-cp-size 1)")
+    if info.dp_size > 1 and not info.follow_bootstrap_room:
+        problems.append(f"the prefill has {info.dp_size} DP groups and no follow_bootstrap_room: "
+                        "decode cannot compute a request's group (run the prefill with "
+                        "--load-balance-method follow_bootstrap_room)")
+    elif info.dp_size > 1 and force_dp_query:
+        problems.append(f"the prefill has {info.dp_size} DP groups and this decode sets "
+                        "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK, a query dsa-bridge's "
+                        "prefill does not answer (unset it)")
+    return problems
+
+
+@dataclass(frozen=True)
+class PeerBackoff:
+    """Why connecting to a prefill (DP group) last failed, and when to try again: ``BACKOFF_FIRST_S``
+    after the first failure, doubling with each further one up to ``BACKOFF_MAX_S``. Pure: the
+    caller passes ``now``."""
+
+    reason: str
+    failures: int
+    retry_at: float
+
+    @staticmethod
+    def after(previous: PeerBackoff | None, reason: str, now: float) -> PeerBackoff:
+        failures = 1 if previous is None else previous.failures + 1
+        delay = min(BACKOFF_FIRST_S * 2 ** (failures - 1), BACKOFF_MAX_S)
+        return PeerBackoff(reason, failures, now + delay)
 
 
 class DSABridgeKVManager(BaseKVManager):
@@ -122,24 +194,43 @@ class DSABridgeKVManager(BaseKVManager):
         start = (getattr(args, "prefill_start_layer", 0) or 0) if prefill else 0
         device = "cpu" if getattr(args, "gpu_id", None) is None or not _cuda() else f"cuda:{args.gpu_id}"
         self.bridge = bridge_buffers(args, start_layer=start, stages=self.pp_size, device=device)
+        self.secret = auth.load_secret()  # DSA_BRIDGE_SECRET, the same on prefill and decode
+        self.clock = time.monotonic  # the backoff's clock
         self._lock = threading.Lock()
         self.node: PrefillNode | None = None
         self.decode_nodes: dict[tuple[str, int], DecodeNode] = {}
+        self.node_failures: dict[tuple[str, int], PeerBackoff] = {}
         self.prefill_info_table: dict[str, PrefillServerInfo] = {}
+        self.refused_prefills: dict[str, str] = {}  # bootstrap address -> why it cannot pair
+        self.stage_status: PPConsensusStore | None = None
+        self._stage_senders: dict[int, DSABridgeKVSender] = {}
+        self._stop = threading.Event()
+        self._stage_reporter: threading.Thread | None = None
         if prefill:
             name = f"prefill-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}-pp{self.pp_rank}"
+            try:
+                auth.check_listener(self.local_ip, self.secret, allow_insecure=False)
+            except auth.AuthError:
+                raise auth.AuthError(
+                    f"dsa-bridge: this prefill rank listens on {self.local_ip} (SGLANG_HOST_IP or "
+                    f"sglang's detection), which is not a loopback address: set {auth.SECRET_ENV} to "
+                    "the same secret on prefill and decode") from None
             self.node = PrefillNode(
                 self.bridge.buffers, create_backend(self.backend, host=self.local_ip),
                 listen=f"{self.local_ip}:0", name=name, aux_buffers=self.bridge.aux,
-                request_timeout_s=float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()))
+                request_timeout_s=float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()),
+                secret=self.secret)
             self.register_to_bootstrap()
+            if self.pp_size > 1:
+                self._start_stage_consensus(parallel.pp_group)
         log.info("dsa-bridge: %s manager over %d layers (%s indexer layout), backend %s",
                  disaggregation_mode.value, self.bridge.layout.num_layers,
                  self.bridge.layout.indexer_layout, self.backend)
 
     # ---- prefill: the bootstrap registration -------------------------------------------------
     def register_to_bootstrap(self) -> None:
-        """Register this rank's control endpoint with sglang's bootstrap server (``PUT /route``)."""
+        """Register this rank's control endpoint with sglang's bootstrap server (``PUT /route``)
+        at the host and port sglang's own managers register to."""
         host, port = self.node.endpoint.rsplit(":", 1)
         payload = {
             "attn_tp_size": self.attn_tp_size, "attn_tp_rank": self.attn_tp_rank,
@@ -152,7 +243,12 @@ class DSABridgeKVManager(BaseKVManager):
             "load_balance_method": get_parallel().load_balance_method,
             "prefill_http_port": get_serving().port,
         }
-        url = f"http://{_host()}:{get_disagg().disaggregation_bootstrap_port}/route"
+        dist_init_addr = get_parallel().dist_init_addr
+        bootstrap_port = get_disagg().disaggregation_bootstrap_port
+        if dist_init_addr and get_parallel().nnodes > 1:  # each host may have reserved its own port
+            bootstrap_port = get_parallel().world_group.broadcast_object(bootstrap_port, src=0)
+        url = NetworkAddress(bootstrap_host(get_serving().host, dist_init_addr), bootstrap_port).to_url()
+        url += "/route"
         deadline = time.monotonic() + REGISTER_WAIT_S
         while True:  # the bootstrap server (another process) may not be listening yet
             try:
@@ -165,11 +261,65 @@ class DSABridgeKVManager(BaseKVManager):
         if response.status_code != 200:
             raise RuntimeError(f"dsa-bridge: the bootstrap server at {url} refused this prefill rank: "
                                f"{response.status_code} {response.text}")
+        log.info("dsa-bridge: prefill rank %s registered at %s", self.node.endpoint, url)
+
+    # ---- prefill: the pipeline stages' consensus ---------------------------------------------
+    def _start_stage_consensus(self, pp_group) -> None:
+        """sglang's ``PPConsensusStore`` over the pipeline group, as sglang's managers keep their
+        request statuses with stages: stage 0 collects every stage's status of a room
+        (``poll_pp_consensus``); a later stage's reporter thread sends its senders' statuses as
+        they change (nothing else polls them there: sglang's later stages take stage 0's verdict)."""
+        self.stage_status = PPConsensusStore(self.pp_size, self.pp_rank, pp_group)
+        if self.pp_rank > 0:
+            self._stage_reporter = threading.Thread(target=self._report_stage_statuses, daemon=True,
+                                                    name=f"dsa-bridge-pp{self.pp_rank}-status")
+            self._stage_reporter.start()
+
+    def track_stage_status(self, sender: DSABridgeKVSender) -> None:
+        if self.stage_status is not None and self.pp_rank > 0:
+            with self._lock:
+                self._stage_senders[sender.bootstrap_room] = sender
+
+    def forget_stage_status(self, room: int) -> None:
+        if self.stage_status is not None:
+            with self._lock:
+                self._stage_senders.pop(room, None)
+            self.stage_status.pop(room)
+
+    def _report_stage_statuses(self) -> None:
+        reported: dict[int, int] = {}
+        while not self._stop.wait(STAGE_REPORT_S):
+            with self._lock:
+                senders = list(self._stage_senders.items())
+            for room, sender in senders:
+                status = int(sender.poll())
+                if reported.get(room) != status:
+                    self.stage_status[room] = status
+                    reported[room] = status
+                if status in TERMINAL:
+                    with self._lock:
+                        self._stage_senders.pop(room, None)
+                    reported.pop(room, None)
+
+    def stage_consensus(self, room: int, own: int) -> int:
+        """Stage 0's view of ``room`` over every stage (sglang's ``check_status_pp_consensus``),
+        ``own`` being stage 0's status: Failed once any stage failed, Bootstrapping while a stage
+        has not reported, else the least advanced status."""
+        self.stage_status[room] = int(own)
+        statuses = self.stage_status.collect(room)
+        if KVPoll.Failed in statuses:
+            return KVPoll.Failed
+        if None in statuses:
+            return KVPoll.Bootstrapping
+        return min(statuses)
 
     # ---- decode: parallel info and one node per prefill ------------------------------------
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """Fetch (once) the prefill's parallel info; False while it is not fully registered.
-        A prefill dsa-bridge cannot pair with raises, naming why."""
+        """Fetch (once) the prefill's parallel info: True once known and pairable. False while it
+        is not fully registered, and for a prefill dsa-bridge cannot pair with (never raised:
+        sglang's decode queue does not catch it); the reason is logged once per prefill and
+        fails that prefill's receivers (``refusal``). Asked again (sglang retries each second
+        while requests wait), a refused prefill is fetched again: it may have been restarted."""
         if bootstrap_addr in self.prefill_info_table:
             return True
         url = (f"http://{bootstrap_addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
@@ -183,22 +333,30 @@ class DSABridgeKVManager(BaseKVManager):
             log.info("dsa-bridge: bootstrap server %s: %d %s", bootstrap_addr, response.status_code,
                      response.text)
             return False
-        info = PrefillServerInfo(**response.json())
-        problems = [f"{what}: prefill {theirs} != decode {ours}" for what, theirs, ours in (
-            ("transfer (kv_layout)", info.kv_layout, KV_LAYOUT_MARK),
-            ("page_size", info.page_size, self.kv_args.page_size),
-            ("kv_cache_dtype", info.kv_cache_dtype, self.kv_args.kv_cache_dtype_str),
-            ("attention TP width (dsa-bridge pairs rank r with rank r)", info.attn_tp_size,
-             self.attn_tp_size),
-            ("attention CP width", info.attn_cp_size, 1)) if theirs != ours]
-        if info.dp_size > 1 and not info.follow_bootstrap_room:
-            problems.append(f"prefill has {info.dp_size} DP groups and no follow_bootstrap_room: "
-                            "decode cannot compute a request's group")
+        try:
+            info = PrefillServerInfo(**response.json())
+        except (TypeError, ValueError) as exc:
+            problems = [f"its parallel info does not parse ({exc})"]
+        else:
+            problems = pairing_problems(
+                info, page_size=self.kv_args.page_size,
+                kv_cache_dtype=getattr(self.kv_args, "kv_cache_dtype_str", None),
+                attn_tp_size=self.attn_tp_size,
+                force_dp_query=bool(envs.SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK.get()))
         if problems:
-            raise RuntimeError(f"dsa-bridge cannot pair with the prefill at {bootstrap_addr}: "
-                               + "; ".join(problems))
+            reason = f"dsa-bridge cannot pair with the prefill at {bootstrap_addr}: " + "; ".join(problems)
+            if self.refused_prefills.get(bootstrap_addr) != reason:
+                log.warning("%s; its requests fail", reason)
+            self.refused_prefills[bootstrap_addr] = reason
+            return False
+        if self.refused_prefills.pop(bootstrap_addr, None) is not None:
+            log.info("dsa-bridge: the prefill at %s can be paired with now", bootstrap_addr)
         self.prefill_info_table[bootstrap_addr] = info
         return True
+
+    def refusal(self, bootstrap_addr: str) -> str | None:
+        """Why the prefill at ``bootstrap_addr`` was refused; None when it was not."""
+        return self.refused_prefills.get(bootstrap_addr)
 
     def _rank_endpoint(self, bootstrap_addr: str, dp_rank: int, pp_rank: int) -> str:
         url = (f"http://{bootstrap_addr}/route?prefill_dp_rank={dp_rank}&prefill_cp_rank=0"
@@ -209,28 +367,52 @@ class DSABridgeKVManager(BaseKVManager):
                                  f"tp {self.attn_tp_rank} pp {pp_rank}: {response.status_code} "
                                  f"{response.text}")
         rank = response.json()
-        return f"{rank['rank_ip']}:{rank['rank_port']}"
+        return NetworkAddress(rank["rank_ip"], int(rank["rank_port"])).to_host_port_str()
 
     def decode_node(self, bootstrap_addr: str, dp_rank: int) -> DecodeNode:
         """The node connected to prefill DP group ``dp_rank`` at ``bootstrap_addr`` (every
-        pipeline stage of it), made and handshaken on first use."""
+        pipeline stage of it), made and handshaken on first use. A failed attempt is not
+        repeated before its backoff ends: until then this raises the last reason at once."""
+        key = (bootstrap_addr, dp_rank)
         with self._lock:
-            node = self.decode_nodes.get((bootstrap_addr, dp_rank))
+            node = self.decode_nodes.get(key)
             if node is not None:
                 return node
             if not self.try_ensure_parallel_info(bootstrap_addr):
-                raise HandshakeError(f"the prefill at {bootstrap_addr} is not registered yet")
-            stages = self.prefill_info_table[bootstrap_addr].pp_size
-            endpoints = [self._rank_endpoint(bootstrap_addr, dp_rank, p) for p in range(stages)]
-            node = DecodeNode(self.bridge.buffers, create_backend(self.backend, host=self.local_ip),
-                              endpoints, name=f"decode-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}",
-                              request_timeout_s=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()),
-                              aux_buffers=self.bridge.aux)
-            self.decode_nodes[(bootstrap_addr, dp_rank)] = node
+                raise HandshakeError(self.refusal(bootstrap_addr)
+                                     or f"the prefill at {bootstrap_addr} is not registered yet")
+            failure, now = self.node_failures.get(key), self.clock()
+            if failure is not None and now < failure.retry_at:
+                raise HandshakeError(f"{failure.reason} (failed {failure.failures} time(s); next "
+                                     f"attempt in {failure.retry_at - now:.1f}s)")
+            try:
+                node = self._connect(bootstrap_addr, dp_rank)
+            except (HandshakeError, RuntimeError, ValueError, OSError) as exc:
+                self.node_failures[key] = PeerBackoff.after(failure, str(exc), self.clock())
+                log.warning("dsa-bridge: connecting to prefill %s (dp %d) failed (%d time(s), next "
+                            "attempt in %.0fs): %s", bootstrap_addr, dp_rank,
+                            self.node_failures[key].failures,
+                            self.node_failures[key].retry_at - self.clock(), exc)
+                raise
+            self.node_failures.pop(key, None)
+            self.decode_nodes[key] = node
             return node
 
+    def _connect(self, bootstrap_addr: str, dp_rank: int) -> DecodeNode:
+        stages = self.prefill_info_table[bootstrap_addr].pp_size
+        endpoints = [self._rank_endpoint(bootstrap_addr, dp_rank, p) for p in range(stages)]
+        return DecodeNode(self.bridge.buffers, create_backend(self.backend, host=self.local_ip),
+                          endpoints, name=f"decode-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}",
+                          request_timeout_s=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()),
+                          aux_buffers=self.bridge.aux, secret=self.secret)
+
     def shutdown(self) -> None:
-        """Close the nodes (and their engines)."""
+        """Close the nodes (and their engines) and the stages' consensus."""
+        self._stop.set()
+        if self._stage_reporter is not None:
+            self._stage_reporter.join()
+        if self.stage_status is not None:
+            self.stage_status.close()
         if self.node is not None:
             self.node.close()
         for node in self.decode_nodes.values():
@@ -277,6 +459,7 @@ class DSABridgeKVSender(BaseKVSender):
         except ValueError as exc:
             self._sender = None
             self._failed = _Failed(bootstrap_room, str(exc))
+        mgr.track_stage_status(self)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         if self._sender is None:
@@ -301,6 +484,15 @@ class DSABridgeKVSender(BaseKVSender):
     def poll(self) -> KVPoll:
         return KVPoll.Failed if self._sender is None else int(self._sender.poll())
 
+    def poll_pp_consensus(self) -> KVPoll:
+        """The room's status over every pipeline stage, as sglang's prefill bootstrap queue polls
+        it on stage 0 (``poll_and_all_reduce_prefill_pp``) before passing the verdict on to the
+        later stages; with one stage, ``poll()``."""
+        own = self.poll()
+        if self.kv_mgr.stage_status is None:
+            return own
+        return self.kv_mgr.stage_consensus(self.bootstrap_room, own)
+
     def failure_exception(self):
         if self._failed is not None:
             raise self._failed.exception()
@@ -310,6 +502,11 @@ class DSABridgeKVSender(BaseKVSender):
     def abort(self) -> None:
         if self._sender is not None:
             self._sender.abort("aborted by sglang")
+
+    def clear(self) -> None:
+        """sglang's prefill calls this once the transfer succeeded: the room leaves the stages'
+        consensus."""
+        self.kv_mgr.forget_stage_status(self.bootstrap_room)
 
     def get_transfer_metric(self) -> KVTransferMetric:
         state = self._sender.state if self._sender is not None else None
@@ -354,18 +551,25 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         self._metadata_sent = False
         self._failed: _Failed | None = None
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, *, logged: bool = False) -> None:
+        """Fail the request; ``logged`` when the manager already logged the reason (once for
+        every request of that prefill)."""
         if self._failed is None:
-            log.warning("dsa-bridge: room %s failed: %s", self.bootstrap_room, reason)
+            if not logged:
+                log.warning("dsa-bridge: room %s failed: %s", self.bootstrap_room, reason)
             self._failed = _Failed(self.bootstrap_room, reason)
             if self._receiver is not None:
                 self._receiver.abort(reason)
 
     def init(self, prefill_dp_rank: int) -> None:
-        try:
+        try:  # the manager logs a refusal or a failed connection once, not per request
             self._node = self.kv_mgr.decode_node(self.bootstrap_addr, int(prefill_dp_rank))
-            self._receiver = self._node.receiver(self.bootstrap_room)
         except (HandshakeError, RuntimeError, ValueError, OSError) as exc:
+            self._fail(f"prefill {self.bootstrap_addr} (dp {prefill_dp_rank}): {exc}", logged=True)
+            return
+        try:
+            self._receiver = self._node.receiver(self.bootstrap_room)
+        except ValueError as exc:
             self._fail(f"prefill {self.bootstrap_addr} (dp {prefill_dp_rank}): {exc}")
 
     def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None,
@@ -392,6 +596,10 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         self._metadata_sent = True
 
     def poll(self) -> KVPoll:
+        if self._failed is None and self._receiver is None:
+            refusal = self.kv_mgr.refusal(self.bootstrap_addr)
+            if refusal is not None:  # sglang's queue never calls init for a refused prefill
+                self._fail(refusal, logged=True)
         if self._failed is not None:
             return KVPoll.Failed
         if self._receiver is None:

@@ -9,11 +9,14 @@ the CPU, and sglang's own ``_init_kv_manager`` of ``PrefillBootstrapQueue`` /
 ``DecodePreallocQueue`` (the KVArgs fill, ``setup_state_kv_args``, then the manager class from
 the hooked ``get_kv_class``) over a stand-in for the scheduler attributes it reads. Then the
 calls its queues make, in their order: prefill — bootstrap server, sender, poll to
-WaitingForInput (bootstrap queue), ``init(num_pages, aux_index)``, the forward (the pool
-filled), ``send`` per chunk with the DSA state indices on the last, poll to the end (inflight
-queue); decode — receiver, ``try_ensure_parallel_info``, ``init(prefill_dp_rank)``, poll to
-WaitingForInput, ``send_metadata(pages, aux_index, state_indices)`` (prealloc queue), poll to
-the end (transfer queue), then the bytes compared with what prefill wrote.
+WaitingForInput (bootstrap queue; with pipeline stages, sglang's own
+``poll_and_all_reduce_prefill_pp`` over real torch.distributed (gloo) groups and sglang's
+``GroupCoordinator``, stage 0 polling ``poll_pp_consensus``), ``init(num_pages, aux_index)``,
+the forward (the pool filled), ``send`` per chunk with the DSA state indices on the last, poll
+to the end (inflight queue), ``clear()``; decode — receiver, ``try_ensure_parallel_info``,
+``init(prefill_dp_rank)``, poll to WaitingForInput, ``send_metadata(pages, aux_index,
+state_indices)`` (prealloc queue), poll to the end (transfer queue), then the bytes compared with
+what prefill wrote.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 from types import SimpleNamespace
 
 import tests.sglang.conftest as shims  # noqa: F401  (the shims, before sglang)
+from tests.transfer.helpers import wait_for
 
 SENTINEL = 0xA5
 
@@ -105,17 +109,62 @@ def scheduler_stand_in(cfg: dict, server_args, pool, metadata, mode: str):
         metadata_buffers=metadata, enable_staging=False)
 
 
-def wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
+def stage_groups(cfg: dict):
+    """sglang's ``GroupCoordinator`` for the pipeline stages (one process each, gloo over
+    ``dist_port``) and size-1 attention TP and CP groups, published as sglang's scheduler
+    publishes its pipeline group; returns (pp, attn_tp, attn_cp)."""
+    import torch.distributed as dist
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+    from sglang.srt.runtime_context import get_parallel
+
+    rank, size = cfg["pp_rank"], cfg["pp_size"]
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['dist_port']}",
+                                world_size=size, rank=rank)
+    flags = dict(use_pynccl=False, use_mscclpp=False, use_custom_allreduce=False,
+                 use_torch_symm_mem_all_reduce=False, use_hpu_communicator=False,
+                 use_xpu_communicator=False)
+    pp = GroupCoordinator([list(range(size))], rank, "gloo", group_name="pp", **flags)
+    tp, cp = (GroupCoordinator([[r] for r in range(size)], rank, "gloo", group_name=n, **flags)
+              for n in ("attn_tp", "attn_cp"))
+    get_parallel().override_permanently(pp_group=pp)
+    return pp, tp, cp
+
+
+def stage_bootstrap(cfg: dict, make_sender, groups, incoming) -> tuple[object, dict]:
+    """sglang's prefill bootstrap queue with pipeline stages (``pop_bootstrapped``, prefill.py
+    ~506): each step ``poll_and_all_reduce_prefill_pp`` over the queue's senders — stage 0 polls
+    ``poll_pp_consensus`` and passes its verdict down the stages — until the verdict leaves
+    Bootstrapping. A later stage makes its sender ``late_sender_s`` after decode's pages reached
+    its node (``incoming``), as a request reaches it after stage 0. Returns the sender and what
+    the stage saw."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import poll_and_all_reduce_prefill_pp
+
+    pp, tp, cp = groups
+    rank, work, arrived = pp.rank_in_group, [], None
+    sender = make_sender() if rank == 0 else None
+    held = 0  # stage 0's steps whose own status was ready while another stage's was not
+    while True:
+        if arrived is None and not incoming.empty():
+            arrived = time.monotonic()
+        if sender is None and arrived is not None and time.monotonic() - arrived >= cfg["late_sender_s"]:
+            sender = make_sender()
+        (verdict,) = poll_and_all_reduce_prefill_pp([sender], cp.cpu_group, tp.cpu_group, pp, rank,
+                                                    pp.world_size, work)
+        if rank == 0 and verdict == KVPoll.Bootstrapping and sender.poll() == KVPoll.WaitingForInput:
+            held += 1
+        if verdict != KVPoll.Bootstrapping:
+            break
         time.sleep(0.005)
-    raise TimeoutError(f"{what} not reached within {timeout_s}s")
+    for p2p in work:
+        p2p.work.wait()
+    while sender is None:  # the verdict came before this stage's request did
+        sender = make_sender()
+    return sender, {"verdict": int(verdict), "held": held, "own_at_verdict": int(sender.poll())}
 
 
-def run_prefill(cfg: dict, server_args) -> dict:
+def run_prefill(cfg: dict, server_args, groups=None) -> dict:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
@@ -132,14 +181,21 @@ def run_prefill(cfg: dict, server_args) -> dict:
               "state_layer_ids": manager.kv_args.state_layer_ids,
               "kv_layer_ids": manager.kv_args.kv_layer_ids}
     print("READY", flush=True)
-    sender = get_kv_class(backend, KVClassType.SENDER)(
-        mgr=manager, bootstrap_addr=f"127.0.0.1:{cfg['port']}", bootstrap_room=cfg["room"])
+
+    def make_sender():
+        return get_kv_class(backend, KVClassType.SENDER)(
+            mgr=manager, bootstrap_addr=f"127.0.0.1:{cfg['port']}", bootstrap_room=cfg["room"])
+
+    if groups is not None:
+        sender, result["stages"] = stage_bootstrap(cfg, make_sender, groups, manager.node.incoming)
+    else:
+        sender = make_sender()
+        try:  # the bootstrap queue; a refused handshake ends the wait (the request would time out)
+            wait_for(lambda: sender.poll() != KVPoll.Bootstrapping or manager.node.refusals,
+                     cfg["bootstrap_wait_s"], "bootstrap", error=TimeoutError)
+        except TimeoutError:
+            pass
     result["sender"] = type(sender).__qualname__
-    try:  # the bootstrap queue; a refused handshake ends the wait (the request would time out)
-        wait(lambda: sender.poll() != KVPoll.Bootstrapping or manager.node.refusals,
-             cfg["bootstrap_wait_s"], "bootstrap")
-    except TimeoutError:
-        pass
     if sender.poll() == KVPoll.Bootstrapping:
         result.update(poll=int(sender.poll()), refused=list(manager.node.refusals))
         manager.shutdown()
@@ -153,8 +209,10 @@ def run_prefill(cfg: dict, server_args) -> dict:
     half = len(src) // 2
     sender.send(src[:half], None)
     sender.send(src[half:], [src])  # sglang's DSA state indices: the request's pages, last chunk
-    wait(lambda: sender.poll() in (KVPoll.Success, KVPoll.Failed), 60, "prefill end")
+    wait_for(lambda: sender.poll() in (KVPoll.Success, KVPoll.Failed), 60, "prefill end")
     result.update(poll=int(sender.poll()), bytes=manager.node.counters.snapshot()["bytes"])
+    if sender.poll() == KVPoll.Success:
+        sender.clear()  # sglang's inflight queue, on Success
     manager.shutdown()
     close(server)
     return result
@@ -180,10 +238,10 @@ def run_decode(cfg: dict, server_args) -> dict:
     receiver = get_kv_class(backend, KVClassType.RECEIVER)(mgr=manager, bootstrap_addr=addr,
                                                            bootstrap_room=cfg["room"])
     result = {"manager": type(manager).__qualname__, "receiver": type(receiver).__qualname__}
-    wait(lambda: manager.try_ensure_parallel_info(addr), 180, "prefill parallel info")  # a loaded host
+    wait_for(lambda: manager.try_ensure_parallel_info(addr), 180, "prefill parallel info")  # a loaded host
     info = manager.prefill_info_table[addr]
     receiver.init(0 if info.dp_size == 1 else cfg["room"] % info.dp_size)
-    wait(lambda: receiver.poll() != KVPoll.Bootstrapping, 30, "decode bootstrap")
+    wait_for(lambda: receiver.poll() != KVPoll.Bootstrapping, 30, "decode bootstrap")
     if receiver.poll() == KVPoll.Failed:
         try:
             receiver.failure_exception()
@@ -195,8 +253,19 @@ def run_decode(cfg: dict, server_args) -> dict:
         return result
     dst = cfg["dst_pages"]
     receiver.send_metadata(dst, cfg["dst_aux"], [dst])
-    wait(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), 60, "decode end")
+    wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), 60, "decode end")
     result["poll"] = int(receiver.poll())
+    result.update(compare(cfg, pool, metadata, receiver))
+    receiver.clear()
+    manager.shutdown()
+    return result
+
+
+def compare(cfg: dict, pool, metadata, receiver) -> dict:
+    """Decode's pool and aux buffers against what prefill wrote (the same seeds), and the
+    request's byte count."""
+    result = {}
+    dst = cfg["dst_pages"]
     expected_pool, expected_meta = make_pool(cfg, bridge=False), metadata_buffers()
     fill_pool(expected_pool, cfg["seed"])
     fill(aux_views(expected_meta), seed=cfg["seed"] + 1)
@@ -213,8 +282,6 @@ def run_decode(cfg: dict, server_args) -> dict:
     result["aux_bytes"] = sum(g.shape[1] for g in aux_got)
     result["nbytes"] = receiver._receiver.nbytes
     result["stages"] = len(receiver._receiver.peers)
-    receiver.clear()
-    manager.shutdown()
     return result
 
 
@@ -228,7 +295,11 @@ def main() -> None:
         with shims.published_context(disaggregation_mode=role, disaggregation_transfer_backend=cfg["engine"],
                                      disaggregation_bootstrap_port=cfg["port"], host="127.0.0.1",
                                      pp_size=cfg.get("pp_size", 1)) as args:
-            results.append((run_prefill if role == "prefill" else run_decode)(cfg, args))
+            if role == "prefill":
+                groups = stage_groups(cfg) if cfg.get("pp_size", 1) > 1 else None
+                results.append(run_prefill(cfg, args, groups))
+            else:
+                results.append(run_decode(cfg, args))
     print("RESULT " + json.dumps(results), flush=True)
 
 

@@ -10,13 +10,19 @@ against the real sglang 0.5.23 on the CPU.
   and ``_init_kv_manager``, driven in the order of sglang's queues: byte-exact on the KV and
   indexer of every layer and on the aux slot, both engines, DeepSeek-V3.2 and GLM-5.2 (uniform
   and compact); a compact prefill against a uniform decode, and another layer range, refused at
-  the handshake with decode's pool still at its sentinel.
+  the handshake with decode's pool still at its sentinel; a two-stage prefill through sglang's
+  own ``poll_and_all_reduce_prefill_pp`` (``poll_pp_consensus``);
+- a prefill decode cannot pair with (kv_layout, page size, dtype, attention-TP width, CP, DP
+  groups) refused from the bootstrap server's parallel info, never raised: the reason, naming
+  the flag to change, logged once and failing the prefill's receivers.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -199,15 +205,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(ranks: list[tuple[str, list[dict]]]) -> list[list[dict]]:
+def run_ranks(ranks: list[tuple[str, list[dict] | dict]]) -> list:
     """Every rank at once, each its own process (as sglang's schedulers), stepping through its
-    scenarios; every process always stopped."""
+    scenarios (``pd_rank.py``; role "prealloc": ``prealloc_rank.py``, one scenario); every process
+    always stopped."""
     env = {**os.environ, "SGLANG_PLUGINS": "dsa_bridge", "SGLANG_HOST_IP": "127.0.0.1",
            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
            "MC_LOG_LEVEL": "ERROR"}
-    procs = [(role, subprocess.Popen([sys.executable, "-m", "tests.sglang.pd_rank", role, json.dumps(cfgs)],
-                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True))
+    module = {"prealloc": "tests.sglang.prealloc_rank"}
+    procs = [(role, subprocess.Popen([sys.executable, "-m", module.get(role, "tests.sglang.pd_rank"), role,
+                                      json.dumps(cfgs)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True))
              for role, cfgs in ranks]
     results = []
     try:
@@ -308,12 +316,22 @@ def test_mismatched_pd_pair_is_refused_before_any_write(refusals, name):
 
 def test_pipelined_prefill_into_one_decode_stage_byte_exact():
     """sglang's PP prefill (two stages, each its own process and rank, layers 0-1 and 2-3) into a
-    one-stage decode: each stage writes its layers, the last one the aux slot."""
+    one-stage decode: the bootstrap queue as sglang runs it with stages (its own
+    ``poll_and_all_reduce_prefill_pp`` over gloo groups, stage 0 polling ``poll_pp_consensus``),
+    stage 1 making its sender a second after decode's pages reached it; then each stage writes its
+    layers, the last one the aux slot."""
     require_engine("nixl")
     cfg = config("nixl", MODELS["deepseek-v3.2"])
-    stages = [{**cfg, "layers": 2, "start_layer": 2 * r, "pp_size": 2, "pp_rank": r} for r in range(2)]
+    dist_port = free_port()
+    stages = [{**cfg, "layers": 2, "start_layer": 2 * r, "pp_size": 2, "pp_rank": r,
+               "dist_port": dist_port, "late_sender_s": 1.0} for r in range(2)]
     (first,), (second,), (decode,) = run_ranks([("prefill", [stages[0]]), ("prefill", [stages[1]]),
                                                ("decode", [cfg])])
+    # the stages' consensus: stage 0's own status was WaitingForInput while stage 1 had no sender,
+    # and the verdict (WaitingForInput on both stages) came once every stage was ready
+    assert first["stages"]["held"] > 10
+    assert first["stages"]["verdict"] == second["stages"]["verdict"] == 2
+    assert first["stages"]["own_at_verdict"] >= 2 and second["stages"]["own_at_verdict"] >= 2
     assert (first["layers"], second["layers"]) == ([0, 1], [2, 3])  # derived from prefill_start_layer
     assert decode["poll"] == first["poll"] == second["poll"] == 4
     assert decode["stages"] == 2
@@ -351,30 +369,42 @@ def put_route(port: int, payload: dict) -> None:
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"kv_layout": None}, "transfer .kv_layout.: prefill None != decode dsa-bridge"),
-    ({"attn_tp_size": 2}, r"attention TP width \(dsa-bridge pairs rank r with rank r\): prefill 2 != "),
-    ({"page_size": 32}, "page_size: prefill 32 != decode 64"),
+    ({"kv_layout": None}, "registered kv_layout None, not dsa-bridge's: .*set SGLANG_PLUGINS=dsa_bridge "
+                          "on the prefill too"),
+    ({"attn_tp_size": 2}, r"attention-TP width: prefill 2, decode 1 .*--tp-size / \(--attn-dp-size"),
+    ({"page_size": 32}, r"page size: prefill 32, decode 64 \(both servers need the same --page-size\)"),
+    ({"kv_cache_dtype": "bf16"}, "KV cache dtype: prefill bf16, decode fp8_e4m3 .*--kv-cache-dtype"),
+    ({"attn_cp_size": 2}, r"attention CP: prefill 2 \(dsa-bridge serves --attn-cp-size 1\)"),
     ({"attn_dp_size": 2, "load_balance_method": "round_robin"},
-     "prefill has 2 DP groups and no follow_bootstrap_room"),
+     "2 DP groups and no follow_bootstrap_room: .*--load-balance-method follow_bootstrap_room"),
 ])
-def test_decode_refuses_a_prefill_it_cannot_pair_with_naming_why(changes, message):
+def test_decode_refuses_a_prefill_it_cannot_pair_with_naming_the_flag(changes, message, caplog):
+    """Never raised (sglang's prealloc queue does not catch it): False, the reason logged once,
+    and the prefill's receivers Failed with it — before any init, which sglang never calls then."""
     port = free_port()
     server = DSABridgeKVBootstrapServer("127.0.0.1", port)
     try:
         for tp in range(changes.get("attn_tp_size", 1)):
-            for dp in range(changes.get("attn_dp_size", 1)):
-                put_route(port, registration(**changes, attn_tp_rank=tp, attn_dp_rank=dp))
+            for cp in range(changes.get("attn_cp_size", 1)):
+                for dp in range(changes.get("attn_dp_size", 1)):
+                    put_route(port, registration(**changes, attn_tp_rank=tp, attn_cp_rank=cp,
+                                                 attn_dp_rank=dp))
         with published_context(disaggregation_mode="decode", disaggregation_transfer_backend="nixl") as sa:
             args = kv_args_of(SGLangPool(**DSV32))
             args.kv_cache_dtype_str = "fp8_e4m3"
             manager = DSABridgeKVManager(args, DisaggregationMode.DECODE, sa, True)
-            with pytest.raises(RuntimeError, match=message):
-                manager.try_ensure_parallel_info(f"127.0.0.1:{port}")
-            receiver = DSABridgeKVReceiver(manager, f"127.0.0.1:{port}", 77)
-            receiver.init(0)
-            assert receiver.poll() == 0  # Failed, with the reason sglang's queue logs
-            with pytest.raises(RuntimeError, match=message):
-                receiver.failure_exception()
-            assert manager.decode_nodes == {}  # no node, no engine, nothing registered with a peer
+            addr = f"127.0.0.1:{port}"
+            receiver = DSABridgeKVReceiver(manager, addr, 77)
+            assert receiver.poll() == 1  # Bootstrapping: nothing known yet
+            with caplog.at_level(logging.WARNING, logger="dsa_bridge.plugin.sglang.conn"):
+                assert [manager.try_ensure_parallel_info(addr) for _ in range(3)] == [False] * 3
+                others = [DSABridgeKVReceiver(manager, addr, room) for room in (78, 79)]
+                assert [r.poll() for r in [receiver, *others]] == [0, 0, 0]  # Failed
+            for r in [receiver, *others]:
+                with pytest.raises(RuntimeError, match=message):
+                    r.failure_exception()
+            logged = [r.getMessage() for r in caplog.records if "cannot pair" in r.getMessage()]
+            assert len(logged) == 1 and re.search(message, logged[0])  # once for the prefill
+            assert manager.prefill_info_table == {} and manager.decode_nodes == {}
     finally:
         server.close()

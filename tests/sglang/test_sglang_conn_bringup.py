@@ -1,0 +1,222 @@
+"""dsa-bridge's sglang connector at bring-up, against the real sglang 0.5.23 on the CPU: no shape
+sglang's scheduler meets crashes it — a prefill it cannot pair with is refused by name, a peer
+that failed to connect is retried with backoff, and ranks register an address their peers reach.
+
+- a decode rank driven by sglang's own ``DecodePreallocQueue`` code (``prealloc_rank.py``):
+  requests to a prefill of another attention-TP width abort with the reason naming the flag,
+  ``try_ensure_parallel_info`` answers False (never raises), the refusal is logged once, and the
+  same queue and manager then move a good prefill's request byte-exact;
+- a failed connection to a prefill is not retried per request: one ``DecodeNode`` construction,
+  then one per backoff step (1 s doubling to 30 s), requests failing at once meanwhile;
+- a prefill rank registers ``SGLANG_HOST_IP`` (sglang's ``get_local_ip_auto``) as its address and
+  listens there, with ``--host 0.0.0.0``; with ``--dist-init-addr`` it registers at that host.
+(``poll_pp_consensus`` as sglang's prefill calls it: ``test_sglang_conn.py``, the pipelined
+prefill.)
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import pytest
+import requests
+
+from tests.conftest import require_engine
+
+from .conftest import SGLANG_MISSING, published_context
+from .test_sglang_conn import DSV32, config, free_port, put_route, registration, run_ranks
+
+if SGLANG_MISSING:
+    pytest.skip(SGLANG_MISSING, allow_module_level=True)
+
+from sglang.srt.disaggregation.base import KVArgs  # noqa: E402
+from sglang.srt.disaggregation.utils import DisaggregationMode, setup_state_kv_args  # noqa: E402
+from sglang.srt.utils.network import get_local_ip_auto  # noqa: E402
+
+from dsa_bridge.plugin.sglang import conn  # noqa: E402
+from dsa_bridge.plugin.sglang.pool import BridgeDSATokenToKVPool  # noqa: E402
+from dsa_bridge.transfer.backends import create_backend  # noqa: E402
+from dsa_bridge.transfer.prefill import PrefillNode  # noqa: E402
+
+MODEL = {"layers": 4, "model_layers": 4, "kv_cache_dim": 656}
+
+
+def kv_args(pool) -> KVArgs:
+    """A DSA pool's KVArgs as sglang fills them, without aux buffers (none to register here)."""
+    args = KVArgs()
+    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = pool.get_contiguous_buf_infos()
+    args.kv_layer_ids, args.num_draft_entries, args.page_size = [], 0, pool.page_size
+    args.prefill_start_layer = pool.start_layer
+    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [], [], []
+    args.kv_cache_dtype_str = "fp8_e4m3"
+    setup_state_kv_args(args, pool)
+    return args
+
+
+# ---- a refused prefill, through sglang's own prealloc queue -------------------------------------
+
+def test_refused_prefill_aborts_its_requests_and_the_same_queue_serves_a_good_prefill():
+    require_engine("nixl")
+    cfg = {**config("nixl", MODEL), "refused_port": free_port(), "dist_port": free_port()}
+    (prefill,), decode = run_ranks([("prefill", [cfg]), ("prealloc", cfg)])
+    assert decode["manager"] == "DSABridgeKVManager"
+    # every request to the refused prefill aborted (sglang's prepare_abort, 500), naming the flag
+    assert len(decode["refused"]) == 4 and set(decode["refused_status"]) == {500}
+    for message in decode["refused"]:
+        assert "Decode handshake failed" in message  # sglang's _update_handshake_waiters
+        assert "attention-TP width: prefill 2, decode 1" in message and "--tp-size" in message
+    assert decode["ensure_refused"] is False  # answered, never raised
+    assert decode["ensure_attempts"] == 2  # asked again after sglang's 1 s retry interval
+    assert len(decode["refusals_logged"]) == 1  # once for the prefill, not per request
+    # then the good prefill's request, through the same queue and manager, byte-exact
+    assert decode["poll"] == prefill["poll"] == 4
+    assert decode["mismatched"] == [] and decode["others_sentinel"]
+    assert decode["aux_exact"] and decode["aux_others_sentinel"]
+    assert decode["nbytes"] == prefill["bytes"]
+
+
+# ---- backoff: a failed peer is not re-handshaken per request ----------------------------------------
+
+def test_peer_backoff_doubles_from_one_second_to_thirty():
+    failure, delays = None, []
+    for _ in range(8):
+        failure = conn.PeerBackoff.after(failure, "refused", now=100.0)
+        delays.append(failure.retry_at - 100.0)
+    assert delays == [1, 2, 4, 8, 16, 30, 30, 30]
+    assert failure.failures == 8 and failure.reason == "refused"
+
+
+def test_a_failed_connection_is_retried_with_backoff_not_per_request(monkeypatch, caplog):
+    """A prefill whose handshake is refused (it holds layers 2..5, decode 0..3): the real
+    ``DecodeNode`` is constructed once, then once per backoff step; requests in between fail at
+    once with the last reason."""
+    require_engine("nixl")
+    made = []
+
+    class CountingDecodeNode(conn.DecodeNode):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(conn, "DecodeNode", CountingDecodeNode)
+    port = free_port()
+    server = conn.DSABridgeKVBootstrapServer("127.0.0.1", port)
+    with published_context(disaggregation_mode="decode", disaggregation_transfer_backend="nixl") as sa:
+        prefill = PrefillNode(BridgeDSATokenToKVPool(**DSV32, start_layer=2), create_backend("nixl"))
+        try:
+            host, rank_port = prefill.endpoint.rsplit(":", 1)
+            put_route(port, registration(rank_ip=host, rank_port=int(rank_port)))
+            manager = conn.DSABridgeKVManager(kv_args(BridgeDSATokenToKVPool(**DSV32)),
+                                              DisaggregationMode.DECODE, sa, True)
+            now = [1000.0]
+            manager.clock = lambda: now[0]
+            addr, room = f"127.0.0.1:{port}", iter(range(1, 100))
+
+            def request() -> str:
+                receiver = conn.DSABridgeKVReceiver(manager, addr, next(room))
+                receiver.init(0)
+                assert receiver.poll() == 0  # Failed, at once
+                with pytest.raises(RuntimeError) as failed:
+                    receiver.failure_exception()
+                return str(failed.value)
+
+            with caplog.at_level(logging.WARNING, logger="dsa_bridge.plugin.sglang.conn"):
+                reasons = [request() for _ in range(4)]
+                assert len(made) == 1  # one handshake for four requests
+                assert all("layer sets" in r for r in reasons)
+                assert "next attempt in 1.0s" in reasons[1]
+                steps = []
+                for t in (1000.9, 1001.0, 1002.9, 1003.0, 1006.9, 1007.0):
+                    now[0] = t
+                    request()
+                    steps.append(len(made))
+            assert steps == [1, 2, 2, 3, 3, 4]  # retried after 1 s, then 2 s, then 4 s
+            logged = [r for r in caplog.records if "connecting to prefill" in r.getMessage()]
+            assert len(logged) == 4  # once per attempt, not per request
+            assert manager.decode_nodes == {}
+            manager.shutdown()
+        finally:
+            prefill.close()
+            server.close()
+
+
+# ---- the registration address ----------------------------------------------------------------------
+
+def routable_ip() -> str:
+    ip = get_local_ip_auto()
+    if ip.startswith("127.") or ip == "::1":
+        pytest.skip(f"this host has no address but loopback ({ip})")
+    return ip
+
+
+def registered_rank(port: int) -> dict:
+    url = (f"http://127.0.0.1:{port}/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0"
+           "&target_pp_rank=0")
+    response = requests.get(url, timeout=5)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def prefill_manager(server_args):
+    args = kv_args(BridgeDSATokenToKVPool(**DSV32))
+    return conn.DSABridgeKVManager(args, DisaggregationMode.PREFILL, server_args, True)
+
+
+def test_prefill_rank_registers_sglang_host_ip_and_listens_there_with_host_0000(monkeypatch):
+    require_engine("nixl")
+    ip = routable_ip()
+    monkeypatch.setenv("SGLANG_HOST_IP", ip)
+    monkeypatch.delenv("DSA_BRIDGE_SECRET", raising=False)
+    port = free_port()
+    server = conn.DSABridgeKVBootstrapServer("0.0.0.0", port)
+    try:
+        with published_context(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl",
+                               disaggregation_bootstrap_port=port, host="0.0.0.0") as sa:
+            with pytest.raises(RuntimeError, match=f"listens on {ip} .*set DSA_BRIDGE_SECRET to the same"):
+                prefill_manager(sa)  # a routable listener needs the shared secret
+            monkeypatch.setenv("DSA_BRIDGE_SECRET", "s3cret")
+            manager = prefill_manager(sa)
+            try:
+                rank = registered_rank(port)  # registered at 127.0.0.1: one node, sglang's choice
+                assert rank["rank_ip"] == ip and f"{ip}:{rank['rank_port']}" == manager.node.endpoint
+                socket.create_connection((ip, rank["rank_port"]), timeout=5).close()  # reachable there
+            finally:
+                manager.shutdown()
+    finally:
+        server.close()
+
+
+def test_bootstrap_host_is_sglangs_choice():
+    assert conn.bootstrap_host("0.0.0.0", None) == "127.0.0.1"
+    assert conn.bootstrap_host("::", None) == "::1"
+    assert conn.bootstrap_host("10.0.0.7", None) == "10.0.0.7"
+    assert conn.bootstrap_host("0.0.0.0", "10.1.2.3:5000") == "10.1.2.3"  # multi-node: rank 0's host
+    assert conn.bootstrap_host("0.0.0.0", "[fd00::5]:5000") == "fd00::5"
+
+
+def test_multi_node_prefill_rank_registers_at_the_dist_init_addr_host(monkeypatch):
+    """The bootstrap server listens on this host's routable address only (as on a node other than
+    the rank's): the rank reaches it through ``--dist-init-addr``'s host, not 127.0.0.1."""
+    require_engine("nixl")
+    ip = routable_ip()
+    monkeypatch.setenv("SGLANG_HOST_IP", ip)
+    monkeypatch.setenv("DSA_BRIDGE_SECRET", "s3cret")
+    port = free_port()
+    server = conn.DSABridgeKVBootstrapServer(ip, port)
+    try:
+        with published_context(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl",
+                               disaggregation_bootstrap_port=port, host="0.0.0.0",
+                               dist_init_addr=f"{ip}:{free_port()}") as sa:
+            manager = prefill_manager(sa)
+            try:
+                with pytest.raises(OSError):  # the premise: not reachable at 127.0.0.1
+                    socket.create_connection(("127.0.0.1", port), timeout=2).close()
+                response = requests.get(f"http://{ip}:{port}/route?prefill_dp_rank=0&prefill_cp_rank=0"
+                                        "&target_tp_rank=0&target_pp_rank=0", timeout=5)
+                assert response.status_code == 200, response.text
+                assert response.json()["rank_ip"] == ip
+            finally:
+                manager.shutdown()
+    finally:
+        server.close()

@@ -9,14 +9,13 @@ context, then closes the backend: in that order, once, and as well from a constr
 failed half-way (the node calls it on any failure after the runtime exists; a failed registration
 closes the backend at once).
 
-``Liveness`` is the runtime's pure part (time passed in): when the next heartbeat is due, and when
-a peer that has not been heard from counts as silent.
+``liveness`` is the node's ``liveness.Liveness`` (pure, time passed in): when the next heartbeat
+is due, and when a peer that has not been heard from counts as silent.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import zmq
 
@@ -24,28 +23,7 @@ from ..plugin.descriptors import BufferDescriptor
 from .backends.base import TransferBackend
 from .control import ControlLoop, OnMessage, limit_receive
 from .counters import Counters
-
-
-@dataclass
-class Liveness:
-    """A node's heartbeat schedule and its rule for a silent peer."""
-
-    heartbeat_s: float
-    peer_timeout_s: float
-    next_heartbeat: float = 0.0
-
-    def heartbeat_due(self, now: float) -> bool:
-        """True when heartbeats are due at ``now`` (at the first call, then once per
-        ``heartbeat_s``); a True schedules the next ones ``heartbeat_s`` after ``now``."""
-        if now < self.next_heartbeat:
-            return False
-        self.next_heartbeat = now + self.heartbeat_s
-        return True
-
-    def silent(self, last_seen: float, now: float) -> bool:
-        """True when a peer last heard from at ``last_seen`` has been silent for longer than
-        ``peer_timeout_s`` at ``now``."""
-        return now - last_seen > self.peer_timeout_s
+from .liveness import Liveness
 
 
 class NodeRuntime:

@@ -1,8 +1,11 @@
-"""Decode's bookkeeping of one request (room) and its fence: pure, no sockets, threads or clocks.
+"""Decode's bookkeeping of one request (room), pure: no sockets, threads or clocks.
 
 A request is fed by one prefill node or by several pipeline stages (named by their endpoints).
-``RoomBook`` counts what each of them reported (bytes, verified checksums, last chunk) and knows
-who may still write into the request's pages:
+
+``RequestParts`` counts what each of them reported (bytes, verified checksums, last chunk) and says
+whether a part is complete and reported once, and whether every part is.
+
+``RequestFence`` knows who may still write into the request's pages:
 
 - **outstanding**: prefill nodes that may still write (no final word yet);
 - **quarantined**: those that went silent while they might still write. A silent node is not a
@@ -14,7 +17,7 @@ who may still write into the request's pages:
   engine's own bound for those (``in_flight_grace_s``) runs from the report.
 
 ``release_time`` is the fence's decision: when the pages may be reused by proof, or None while a
-writer may remain. ``fence`` adds the configured upper bound: a request held that long is released
+writer may remain. ``decide`` adds the configured upper bound: a request held that long is released
 anyway, and that is reported as an expiry (counted, never silent).
 """
 
@@ -23,20 +26,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
-class RoomBook:
-    """One request on the decode side: its prefill parts and the writers that may remain."""
+class RequestParts:
+    """What each prefill part of one request reported: bytes, verified checksums, last chunk."""
 
     def __init__(self, peers: Iterable[str]):
         self.peers = list(peers)
         self.received = dict.fromkeys(self.peers, 0)  # bytes each prefill reported written
         self.verified = dict.fromkeys(self.peers, 0)  # (buffer, page) checksums verified
         self.finished: set[str] = set()  # prefills whose last chunk arrived
-        self.outstanding: set[str] = set(self.peers)  # prefills that may still write
-        self.quarantined: set[str] = set()  # went silent while they might still write
-        self.in_flight_until: float | None = None  # a reported failed write may land until then
-        self.expired = False  # released by the upper bound, not by proof
-
-    # ---- what the prefill nodes reported ---------------------------------------------------
 
     def chunk(self, peer: str, nbytes: int) -> None:
         self.received[peer] += nbytes
@@ -59,7 +56,15 @@ class RoomBook:
     def complete(self) -> bool:
         return len(self.finished) == len(self.peers)
 
-    # ---- the fence -------------------------------------------------------------------------
+
+class RequestFence:
+    """The prefill nodes that may still write into one request's pages, and when they may go."""
+
+    def __init__(self, peers: Iterable[str]):
+        self.outstanding: set[str] = set(peers)  # prefills that may still write
+        self.quarantined: set[str] = set()  # went silent while they might still write
+        self.in_flight_until: float | None = None  # a reported failed write may land until then
+        self.expired = False  # released by the upper bound, not by proof
 
     def nothing_sent(self) -> None:
         """No prefill node was ever asked for this request: none can write into its pages."""
@@ -94,7 +99,7 @@ class RoomBook:
             return None
         return self.in_flight_until if self.in_flight_until is not None else float("-inf")
 
-    def fence(self, failed_at: float, now: float, bound_s: float) -> tuple[float | None, bool]:
+    def decide(self, failed_at: float, now: float, bound_s: float) -> tuple[float | None, bool]:
         """The decision for a failed request: (release time or None, released by expiry). Once
         ``bound_s`` has passed since the failure, the pages go back even without proof, and the
         second value is True (once; the caller counts it)."""

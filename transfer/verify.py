@@ -2,10 +2,11 @@
 thread (which also runs heartbeats: a control loop blocked on hashing makes peers declare each
 other dead).
 
-The control thread queues every ok chunk of a checksummed request; the verifier takes them in
+The control thread queues every counted chunk of a checksummed request; the verifier takes them in
 arrival order, computes the checksums of the pages the chunk wrote into this node's pool
-(``checksum.verify_chunk``) and hands the outcome back to the node, which fails the request or,
-after its last chunk, lets it turn Success. A request stays Transferring meanwhile.
+(``checksum.verify_chunk``) and hands the outcome to the chunk's request
+(``KVReceiver.chunk_verified``), which fails itself or, after its last chunk, turns Success. A
+request stays Transferring meanwhile; one that failed meanwhile is skipped.
 """
 
 from __future__ import annotations
@@ -14,31 +15,42 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
 
 from . import checksum, protocol
-from .request import TERMINAL
+from .request import TERMINAL, RequestState
 
 log = logging.getLogger(__name__)
 
-# (receiver, the chunk's report, the prefill peer it came from, problem or "", (buffer, page)
-# checksums verified, seconds)
-OnVerified = Callable[[object, protocol.ChunkDone, object, str, int, float], None]
+
+class VerifiedRequest(Protocol):
+    """A request whose chunks are verified (``receiver.KVReceiver``)."""
+
+    room: int
+    state: RequestState
+    page_ids: np.ndarray
+
+    def chunk_verified(self, done: protocol.ChunkDone, peer, problem: str, verified: int,
+                       seconds: float) -> None:
+        """The outcome for one chunk of ``peer``: problem or "", (buffer, page) checksums
+        verified, seconds; called on the verifier's thread."""
 
 
 class ChunkVerifier:
     """Verifies queued chunks in order, on its own thread, until ``close``."""
 
-    def __init__(self, pool, name: str, on_verified: OnVerified):
+    def __init__(self, pool, name: str):
         self._pool = pool
         self._views: dict | None = None  # made on first use: a node without checksums needs none
-        self._on_verified = on_verified
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"{name}-verifier", daemon=True)
         self._thread.start()
 
-    def submit(self, receiver, done: protocol.ChunkDone, peer) -> None:
-        self._jobs.put((receiver, done, peer))
+    def submit(self, request: VerifiedRequest, done: protocol.ChunkDone, peer) -> None:
+        """Queue a chunk ``peer`` reported for ``request``."""
+        self._jobs.put((request, done, peer))
 
     def close(self, timeout_s: float = 10.0) -> None:
         self._jobs.put(None)
@@ -49,18 +61,18 @@ class ChunkVerifier:
             job = self._jobs.get()
             if job is None:
                 return
-            receiver, done, peer = job
-            if receiver.state.status in TERMINAL:  # failed meanwhile: nothing left to prove
+            request, done, peer = job
+            if request.state.status in TERMINAL:  # failed meanwhile: nothing left to prove
                 continue
             started = time.perf_counter()
             problem, verified = "", 0
             try:
                 if self._views is None:
                     self._views = checksum.pool_views(self._pool)
-                verified = checksum.verify_chunk(self._views, receiver.page_ids, done.checksums)
+                verified = checksum.verify_chunk(self._views, request.page_ids, done.checksums)
             except checksum.ChecksumError as exc:
                 problem = str(exc)
             except Exception as exc:  # a bug must fail the request, not stop the verifier
-                log.exception("room %d: verifying checksums failed", receiver.room)
+                log.exception("room %d: verifying checksums failed", request.room)
                 problem = f"internal error verifying checksums: {type(exc).__name__}: {exc}"
-            self._on_verified(receiver, done, peer, problem, verified, time.perf_counter() - started)
+            request.chunk_verified(done, peer, problem, verified, time.perf_counter() - started)

@@ -1,5 +1,6 @@
-"""The runtime both nodes share: its pure heartbeat schedule and liveness rule, and a close that
-leaves nothing behind, also after a construction that failed half-way."""
+"""The runtime both nodes share: its pure heartbeat schedule and liveness rule, decode's pure
+proof that a silent peer's process is gone, and a close that leaves nothing behind, also after a
+construction that failed half-way."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from dsa_bridge.transfer.backends.base import BackendError
 from dsa_bridge.transfer.counters import Counters
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.handshake import HandshakeError
-from dsa_bridge.transfer.node_runtime import Liveness, NodeRuntime
+from dsa_bridge.transfer.liveness import DEAD_PEER_GRACE_S, ControlLink, Liveness
+from dsa_bridge.transfer.node_runtime import NodeRuntime
 from dsa_bridge.transfer.prefill import PrefillNode
 
 from .fake_backend import FakeBackend
@@ -44,6 +46,25 @@ def test_a_peer_is_silent_only_beyond_the_timeout():
     assert not live.silent(last_seen=10.0, now=15.0)
     assert live.silent(last_seen=10.0, now=15.001)
     assert not live.silent(last_seen=20.0, now=15.0)  # heard from after ``now`` was taken
+
+
+def test_a_link_down_for_the_grace_proves_the_process_gone_once():
+    link = ControlLink()
+    assert link.up and not link.proves_gone(100.0)
+    link.disconnected(100.0)
+    link.disconnected(100.5)  # a later event keeps the first time
+    assert not link.up and not link.proves_gone(100.0 + DEAD_PEER_GRACE_S - 0.001)
+    assert link.proves_gone(100.0 + DEAD_PEER_GRACE_S) and link.proven_gone
+    assert not link.proves_gone(200.0)  # once
+    link.reset()  # the peer answered a new handshake
+    assert link.up and not link.proven_gone
+
+
+def test_a_reconnect_within_the_grace_proves_nothing():
+    link = ControlLink()
+    link.disconnected(100.0)
+    link.connected()
+    assert link.up and not link.proves_gone(100.0 + 10 * DEAD_PEER_GRACE_S)
 
 
 def _open_fds() -> set[str]:

@@ -1,0 +1,275 @@
+"""One request on the decode side (``KVReceiver``, SGLang's BaseKVReceiver semantics): it asks its
+prefill node(s) for the request, counts what they report, and settles itself.
+
+A request is fed by one prefill node or by pipeline stages that each hold a part of the layers
+(``decode_stages``). Its path, in order:
+
+1. ``init`` (application thread) sends the pages decode allocated (and the aux slot, to the stage
+   that holds the last layer) to each of its prefill nodes: WaitingForInput; or fails at once,
+   releasing its pages, when one of them is marked dead.
+2. ``chunk_reported_locked`` (control thread): each chunk report is counted, the request turns
+   Transferring; a prefill's failure report fails it.
+3. With checksums on, the node hands each counted chunk to the verifier, whose outcome comes back
+   to ``chunk_verified`` (verifier thread): a mismatch, or a last chunk whose pages were not all
+   verified, fails the request; otherwise the last chunk goes on to
+4. ``part_done_locked``: the prefill's part must be complete and reported once; once every part is,
+   the request turns Success.
+
+A failure asks every prefill that may still write to stop (``Abort``) and holds the pages until
+``request_fence.RequestFence`` lets them go (``_settle_locked``): a prefill's final word, proof that
+a silent one can no longer write (``peer_gone_locked``), or the quarantine's upper bound (counted as
+an expiry). The node's tick calls ``tick_locked`` for the deadline and that bound.
+
+Locking: every request of a node shares the node's lock (``ReceiverContext.lock``). The methods the
+application and the verifier call take it; those named ``..._locked`` expect it held.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from ..plugin.descriptors import BufferDescriptor
+from . import checksum, protocol
+from .counters import Counters
+from .decode_sessions import PrefillPeer
+from .handshake import BufferKey
+from .plan import PlanError, as_page_ids, check_aux_index, check_pages
+from .request import TERMINAL, KVPoll, RequestHandle
+from .request_fence import RequestFence, RequestParts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReceiverContext:
+    """What the requests of one decode node share."""
+
+    name: str  # the node's, for the log
+    lock: threading.Lock  # the node's: guards every request's state, parts and fence
+    counters: Counters
+    send: Callable[[zmq.Socket, protocol.Message], None]  # queues a message for the control loop
+    page_limit: int  # pages per buffer of the pool
+    aux_buffers: Sequence[BufferDescriptor]
+    request_timeout_s: float
+    in_flight_grace_s: float
+    quarantine_timeout_s: float
+
+
+class KVReceiver(RequestHandle):
+    """One request, fed by one prefill node or by several that each hold a part of the layers
+    (pipeline stages). Success once every one of them has written all of its part, exactly
+    once."""
+
+    def __init__(self, room: int, peers: list[PrefillPeer], context: ReceiverContext):
+        super().__init__(room, context.request_timeout_s)
+        self.peers = peers
+        self._context = context
+        self.parts = RequestParts(p.endpoint for p in peers)
+        self.fence = RequestFence(p.endpoint for p in peers)
+        self.page_ids: np.ndarray | None = None
+        self.aux_index: int | None = None
+        self.chunks = 0
+        self.nbytes = 0
+        self.descriptors = 0
+        self.write_seconds = 0.0
+        self.checksums_verified = 0
+        self.started_at: float | None = None
+
+    @property
+    def components(self) -> list[BufferKey]:
+        """Every (layer, cache) buffer this request fills, in layer order."""
+        return sorted(key for p in self.peers for key in p.keys)
+
+    @property
+    def received(self) -> dict[str, int]:
+        return self.parts.received
+
+    @property
+    def finished(self) -> set[str]:
+        return self.parts.finished
+
+    # ---- application thread ----------------------------------------------------------------
+
+    def init(self, page_ids, num_tokens: int = 0, aux_index: int | None = None) -> None:
+        """Send the pages decode allocated for this request (and its aux slot) to its prefill
+        node(s)."""
+        context = self._context
+        try:
+            self.aux_index = check_aux_index(context.aux_buffers, aux_index, "aux_index")
+        except PlanError as exc:
+            raise ValueError(str(exc)) from None
+        if self.page_ids is not None:
+            raise ValueError(f"room {self.room}: init called twice")
+        try:
+            pages = as_page_ids(page_ids, "page_ids")
+            check_pages(pages, context.page_limit, "page_ids")
+        except PlanError as exc:
+            raise ValueError(str(exc)) from None
+        with context.lock:
+            now = time.monotonic()
+            self.page_ids = pages
+            self.started_at = now
+            if self.state.status in TERMINAL:  # aborted before init: ask no prefill node
+                return
+            dead = [p.endpoint for p in self.peers if not p.alive]
+            if dead:
+                self._fail_locked(f"prefill {dead[0]} unreachable (awaiting its new handshake)", now,
+                                  release_after_s=0.0)
+                self.fence.nothing_sent()
+                return
+            self.state.advance(KVPoll.WaitingForInput, now)
+        aux_peer = self._aux_peer()
+        for peer in self.peers:
+            aux = self.aux_index if peer is aux_peer else -1
+            context.send(peer.socket, protocol.RequestPages(self.room, pages.tolist(), int(num_tokens), aux))
+
+    def abort(self, reason: str = "aborted by decode") -> None:
+        with self._context.lock:
+            self.abort_locked(reason, time.monotonic())
+
+    def can_release(self) -> bool:
+        """True once the request's pages may go back to the allocator (invariant 8)."""
+        with self._context.lock:
+            return self.state.can_release(time.monotonic())
+
+    # ---- what its prefill nodes report (control thread, then verifier thread) ---------------
+
+    def chunk_reported_locked(self, peer: PrefillPeer, done: protocol.ChunkDone, now: float) -> bool:
+        """``peer``'s report of a chunk: True when it counts toward the request (an ok chunk of a
+        request still running), which is then Transferring."""
+        context = self._context
+        if not done.ok:  # the prefill's final word: none of its writes is still running...
+            self.fence.confirmed(peer.endpoint, now, in_flight=done.in_flight,  # ...unless one may land
+                                 grace_s=context.in_flight_grace_s)
+            self._fail_sent_locked(f"prefill {peer.endpoint}: {done.reason}", now)
+            return False
+        if done.last:
+            self.fence.confirmed(peer.endpoint, now)
+        if self.state.status in TERMINAL:
+            self._settle_locked(now)
+            return False
+        self.chunks += 1
+        self.nbytes += done.nbytes
+        self.descriptors += done.descriptors
+        self.write_seconds += done.write_seconds
+        self.parts.chunk(peer.endpoint, done.nbytes)
+        context.counters.add(chunks=1, bytes=done.nbytes, descriptors=done.descriptors,
+                             write_seconds=done.write_seconds)
+        self.state.advance(KVPoll.Transferring, now)
+        return True
+
+    def chunk_verified(self, done: protocol.ChunkDone, peer: PrefillPeer, problem: str,
+                       verified: int, seconds: float) -> None:
+        """The verifier's outcome for one chunk of ``peer`` (verifier thread): ``problem`` or "",
+        and the (buffer, page) checksums it verified in ``seconds``."""
+        context = self._context
+        with context.lock:
+            now = time.monotonic()
+            context.counters.add(checksums_verified=verified, checksum_seconds=seconds)
+            self.checksums_verified += verified
+            self.parts.verify(peer.endpoint, verified)
+            if not problem and done.last:
+                try:
+                    checksum.check_coverage(self.parts.verified[peer.endpoint], self.page_ids.size,
+                                            len(peer.keys))
+                except checksum.ChecksumError as exc:
+                    problem = str(exc)
+            if problem:  # later chunks may still be written: held until every prefill confirms
+                self._fail_sent_locked(problem, now)
+            elif done.last and self.state.status not in TERMINAL:
+                self.part_done_locked(peer, now)
+
+    def part_done_locked(self, peer: PrefillPeer, now: float) -> None:
+        """``peer``'s last chunk: its part must be complete, and reported only once."""
+        aux_bytes = sum(b.item_len for b in self._context.aux_buffers) if peer is self._aux_peer() else 0
+        problem = self.parts.part_done(
+            peer.endpoint, self.page_ids.size * peer.page_bytes + aux_bytes,
+            f"{len(peer.keys)} buffers x {self.page_ids.size} pages")
+        if problem:
+            self._fail_sent_locked(problem, now)
+        elif self.parts.complete and self.state.advance(KVPoll.Success, now):
+            self._context.counters.request_ok(self.state.finished_at - self.started_at)
+
+    # ---- its prefill nodes' liveness, and the tick (control thread) -------------------------
+
+    def peer_silent_locked(self, peer: PrefillPeer, reason: str, now: float) -> None:
+        """``peer`` went silent: the pages it may still write into are quarantined (held until it
+        is proven gone), and a running request fails with ``reason``."""
+        if self.page_ids is not None and self.fence.silent(peer.endpoint):
+            self._context.counters.add(quarantines=1, pages_quarantined=self.page_ids.size)
+        if self.state.status in TERMINAL:
+            self._settle_locked(now)
+        else:
+            self.abort_locked(reason, now)
+
+    def peer_gone_locked(self, peer: PrefillPeer, now: float, *, in_flight: bool) -> None:
+        """Proof that ``peer``'s old writes can no longer land (but a failed one, ``in_flight``,
+        which the engine's own bound covers): lift its quarantine."""
+        if peer.endpoint in self.fence.quarantined:
+            self.fence.confirmed(peer.endpoint, now, in_flight=in_flight,
+                                 grace_s=self._context.in_flight_grace_s)
+            self._settle_locked(now)
+
+    def tick_locked(self, now: float) -> None:
+        """The deadline of a running request, and the quarantine's upper bound of a failed one."""
+        status = self.state.status
+        if status == KVPoll.Failed and self.state.release_at is None:
+            self._settle_locked(now)  # the quarantine's upper bound
+        elif status not in TERMINAL:
+            dead = [p.endpoint for p in self.peers if not p.alive]
+            if dead:  # made while its prefill was dead, not yet initialized
+                self.abort_locked(f"prefill {dead[0]} unreachable", now)
+            elif now > self.state.deadline:
+                self.abort_locked(f"timed out after {self._context.request_timeout_s:.0f}s", now)
+
+    # ---- failure and release -----------------------------------------------------------------
+
+    def abort_locked(self, reason: str, now: float) -> None:
+        if self.page_ids is None:  # nothing was asked of any prefill node
+            if self._fail_locked(reason, now, release_after_s=0.0):
+                self.fence.nothing_sent()
+            return
+        self._fail_sent_locked(reason, now)
+
+    def _fail_locked(self, reason: str, now: float, *, release_after_s: float | None) -> bool:
+        if self.state.fail(reason, now, release_after_s=release_after_s):
+            self._context.counters.request_failed(reason)
+            log.warning("%s: room %d failed: %s", self._context.name, self.room, reason)
+            return True
+        return False
+
+    def _fail_sent_locked(self, reason: str, now: float) -> None:
+        """Fail a request whose pages the prefill nodes know: ask every one that may still write
+        to stop, and hold the pages until the fence lets them go."""
+        if self._fail_locked(reason, now, release_after_s=None):
+            for peer in self.peers:
+                if peer.endpoint in self.fence.outstanding and peer.alive:
+                    self._context.send(peer.socket, protocol.Abort(self.room, reason))
+        self._settle_locked(now)
+
+    def _settle_locked(self, now: float) -> None:
+        """Release a failed request's pages once no prefill can still write into them, or once
+        the quarantine's upper bound has passed (counted as an expiry)."""
+        if self.state.status != KVPoll.Failed:
+            return
+        bound_s = self._context.quarantine_timeout_s
+        at, expired = self.fence.decide(self.state.finished_at, now, bound_s)
+        if expired:
+            self._context.counters.add(quarantine_expiries=1, pages_expired=self.page_ids.size)
+            log.warning("%s: room %d: pages released after %.0fs without proof that no write "
+                        "into them can still land", self._context.name, self.room, bound_s)
+        if at is not None:
+            self.state.allow_release(at)
+
+    def _aux_peer(self) -> PrefillPeer | None:
+        """The prefill that writes the aux slot: the one holding the last layer."""
+        if self.aux_index is None:
+            return None
+        return max(self.peers, key=lambda p: max(p.layout.layer_ids))

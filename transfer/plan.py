@@ -8,19 +8,22 @@ every chunk's plan reads, built once at the handshake. A request's indexer page 
 page ids (page p of a KV buffer is row p of the indexer buffer): one list of page ids addresses
 both caches. Every page id is checked against the registered regions of both sides before a
 single address is produced.
+
+Aux buffers (SGLang's metadata buffers: one slot per request in each) are paired by position
+(``pair_aux``); a request's slot is written with its last chunk (``with_aux_writes``).
+``plan_chunk`` is the whole plan of one chunk of a request, as the prefill node's writer asks
+for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
-from ..plugin.descriptors import BufferDescriptor
+from ..plugin.descriptors import CACHE_KINDS, BufferDescriptor
 
-CACHE_KINDS = ("kv", "index")
 PADDING_PAGE = 0
 
 
@@ -58,16 +61,6 @@ class PairTable(Sequence[BufferPair]):
         return isinstance(other, Sequence) and tuple(self) == tuple(other)
 
     __hash__ = None
-
-    @cached_property
-    def layer_ids(self) -> frozenset[int]:
-        return frozenset(p.src.layer_id for p in self._pairs)
-
-    def of_layers(self, layers: frozenset[int] | None) -> PairTable:
-        """The pairs of those global layer ids (``None``, or every layer held: this table)."""
-        if layers is None or self.layer_ids <= layers:
-            return self
-        return PairTable(p for p in self._pairs if p.src.layer_id in layers)
 
 
 def as_table(pairs: Sequence[BufferPair]) -> PairTable:
@@ -284,3 +277,13 @@ def with_aux_writes(plan: WritePlan, pairs: Sequence[BufferPair], src_index: int
         length=np.concatenate((plan.length, item.astype(np.uint64))),
         runs=plan.runs,
     )
+
+
+def plan_chunk(pairs: Sequence[BufferPair], src_pages: object, dst_pages: object, *, last: bool,
+               aux_pairs: Sequence[BufferPair] = (), aux_src: int | None = None,
+               aux_dst: int | None = None) -> WritePlan:
+    """One chunk of a request: its pages in every paired buffer (``plan_writes``) and, when it is
+    the request's ``last`` chunk, its aux slot ``aux_src`` into decode's ``aux_dst``
+    (``with_aux_writes``). Raises PlanError before producing any address."""
+    plan = plan_writes(pairs, src_pages, dst_pages)
+    return with_aux_writes(plan, aux_pairs, aux_src, aux_dst) if last else plan

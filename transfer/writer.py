@@ -1,22 +1,24 @@
 """The prefill node's writer: one lane per decode engine peer, each writing its queued chunks in
 one engine write.
 
-The node hands the writer a ``Job`` per chunk a request is ready to send: the request (its
-sender and room), the page range (offset into the request's pages, the prefill page ids) and the
-layer range (``None``: every buffer pair of the peer; else only the pairs of those global layer
-ids, so that layers can be sent as they are computed). Jobs queue per engine peer: each peer has
-its own lane and thread, so a frozen, silent or slow decode node delays only the chunks queued
-for it, never another node's.
+The node's request book (``prefill_requests.RequestBook``) hands the writer a ``Job`` per chunk a
+request is ready to send: the request (its ``KVSender``), where decode wants it
+(``DecodeDestination``: the decode node's engine peer and buffer pairs, decode's page ids and aux
+slot) and the chunk (its offset among the request's pages, the prefill page ids, whether it is the
+last). Jobs queue per engine peer: each peer has its own lane and thread, so a frozen, silent or
+slow decode node delays only the chunks queued for it, never another node's.
 
-``submit`` plans a job in the caller's thread (``plan.plan_writes`` over the job's pairs), so
-that planning the next chunks overlaps the engine write in flight instead of holding up the
-next one. A lane takes every job queued for its peer, skips those whose request has failed
-meanwhile and those that could not be planned (each fails alone, before any write), takes their
-page checksums when they are on, concatenates the plans and submits them as one engine write;
-the backend splits it only where the engine's batch limits require. When that write
-fails, every request in the batch fails as in flight: any of its bytes may still land. Each
-job's outcome goes back to the node through ``finish``, in queue order, exactly once; until
-then the node counts the job in ``KVSender.busy``.
+``submit`` plans a job in the caller's thread (``plan.plan_chunk``), so that planning the next
+chunks overlaps the engine write in flight instead of holding up the next one. A lane takes every
+job queued for its peer, skips those whose request has failed meanwhile and those that could not
+be planned (each fails alone, before any write), takes their page checksums from ``checksums``
+(None when they are off), concatenates the plans and submits them as one engine write; the
+backend splits it only where the engine's batch limits require. When that write fails, every
+request in the batch fails as in flight: any of its bytes may still land. Each job's outcome (a
+``Result``) goes to ``outcomes.finish``, in the lane's thread, in queue order, exactly once; until
+then the request counts the job in ``KVSender.busy``. The writer calls nothing else of the node:
+``checksums`` is a ``prefill_checksums.ChunkChecksums`` and ``outcomes`` a
+``prefill_outcomes.ChunkReporter``.
 
 A lane with nothing queued for ``idle_s`` ends its thread; the next job for that peer starts a
 new one.
@@ -28,22 +30,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from . import checksum, protocol
 from .backends.base import BackendError, TransferBackend
-from .plan import (
-    BufferPair,
-    PairTable,
-    PlanError,
-    WritePlan,
-    as_table,
-    plan_writes,
-    with_aux_writes,
-)
+from .plan import PairTable, PlanError, WritePlan, plan_chunk
+from .prefill_records import Chunk, DecodeDestination, KVSender
 from .request import KVPoll
 
 log = logging.getLogger(__name__)
@@ -51,31 +47,23 @@ log = logging.getLogger(__name__)
 IDLE_S = 10.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Job:
-    """One chunk of one request: ``pages`` (prefill's) go to ``dst_pages`` (decode's) in the
-    buffers of ``pairs`` whose layer is in ``layers`` (``None``: all of them)."""
+    """One chunk of one request, and where decode wants it."""
 
-    sender: object  # the request's KVSender: the writer reads only its state
-    room: object  # the node's record of the room, handed back to ``finish``
-    engine_peer: str
-    pairs: Sequence[BufferPair]
-    offset: int  # of the chunk's first page among the request's pages
-    pages: np.ndarray
-    dst_pages: np.ndarray
-    last: bool
-    layers: frozenset[int] | None = None
-    aux_pairs: Sequence[BufferPair] = ()  # the request's aux slots go with its last chunk:
-    aux_src: int | None = None  # from this slot of prefill's aux buffers
-    aux_dst: int | None = None  # into this slot of decode's (None: decode asked for none)
+    sender: KVSender  # the writer reads its state, room and aux slot
+    destination: DecodeDestination
+    chunk: Chunk
 
-    def buffer_pairs(self) -> PairTable:
-        return as_table(self.pairs).of_layers(self.layers)
+    @property
+    def engine_peer(self) -> str:
+        return self.destination.peer.engine_peer
 
-    def plan(self, pairs: PairTable) -> WritePlan:
-        """The chunk's writes into ``pairs`` (and, with the last chunk, the aux slots)."""
-        plan = plan_writes(pairs, self.pages, self.dst_pages)
-        return with_aux_writes(plan, self.aux_pairs, self.aux_src, self.aux_dst) if self.last else plan
+    @property
+    def dst_pages(self) -> np.ndarray:
+        """Decode's page ids for the chunk's pages."""
+        offset = self.chunk.offset
+        return self.destination.dst_pages[offset:offset + self.chunk.pages.size]
 
 
 @dataclass(frozen=True)
@@ -97,7 +85,17 @@ class Result:
     batch_jobs: int = 1
 
 
-Prepare = Callable[[Job, PairTable], "protocol.PageChecksums | None"]
+class PageSums(Protocol):
+    """The page checksums of a chunk before its write (None: checksums are off)."""
+
+    def of_chunk(self, pairs: PairTable, pages: np.ndarray,
+                 offset: int) -> protocol.PageChecksums | None: ...
+
+
+class Outcomes(Protocol):
+    """Where each job's ``Result`` goes, from the lane's thread."""
+
+    def finish(self, result: Result) -> None: ...
 
 
 def join_plans(plans: Sequence[WritePlan]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -113,27 +111,26 @@ def shares(seconds: float, plans: Sequence[WritePlan]) -> list[float]:
 
 @dataclass(frozen=True)
 class _Planned:
-    """A queued job with its pairs and plan, or why it has none (``in_flight``: a bug, not bad
-    pages)."""
+    """A queued job with its plan, or why it has none (``in_flight``: a bug, not bad pages)."""
 
     job: Job
-    pairs: PairTable | None
     plan: WritePlan | None
     failure: str = ""
     in_flight: bool = False
 
 
-def plan_job(job: Job) -> _Planned:
-    """``job`` with its pairs and plan, or with the reason it cannot be planned."""
+def _planned(job: Job) -> _Planned:
+    """``job`` with its plan (``plan.plan_chunk``), or with the reason it cannot be planned."""
+    peer, chunk = job.destination.peer, job.chunk
     try:
-        pairs = job.buffer_pairs()
-        return _Planned(job, pairs, job.plan(pairs))
+        return _Planned(job, plan_chunk(peer.pairs, chunk.pages, job.dst_pages, last=chunk.last,
+                                        aux_pairs=peer.aux_pairs, aux_src=job.sender.aux_index,
+                                        aux_dst=job.destination.aux_index))
     except PlanError as exc:
-        return _Planned(job, None, None, f"bad pages: {exc}")
+        return _Planned(job, None, f"bad pages: {exc}")
     except Exception as exc:  # a bug must fail the request, not the caller
         log.exception("room %d: planning a chunk failed", job.sender.room)
-        return _Planned(job, None, None, f"internal error: {type(exc).__name__}: {exc}",
-                        in_flight=True)
+        return _Planned(job, None, f"internal error: {type(exc).__name__}: {exc}", in_flight=True)
 
 
 class _Lane:
@@ -144,15 +141,16 @@ class _Lane:
 
 
 class Writer:
-    """Lanes of jobs per engine peer; ``finish(result)`` is called once per submitted job."""
+    """Lanes of jobs per engine peer; ``outcomes.finish(result)`` is called once per submitted
+    job."""
 
     def __init__(self, backend: TransferBackend, *, name: str, timeout_s: float,
-                 prepare: Prepare, finish: Callable[[Result], None], idle_s: float = IDLE_S):
+                 checksums: PageSums, outcomes: Outcomes, idle_s: float = IDLE_S):
         self.backend = backend
         self.name = name
         self.timeout_s = timeout_s
-        self._prepare = prepare
-        self._finish = finish
+        self._checksums = checksums
+        self._outcomes = outcomes
         self._idle_s = idle_s
         self._lock = threading.Lock()
         self._lanes: dict[str, _Lane] = {}
@@ -161,8 +159,8 @@ class Writer:
 
     def submit(self, job: Job) -> None:
         """Plan ``job`` and queue it on its peer's lane (starting the lane's thread if it has
-        none); its outcome, a planning failure too, reaches ``finish`` from the lane."""
-        planned = plan_job(job)
+        none); its outcome, a planning failure too, reaches ``outcomes`` from the lane."""
+        planned = _planned(job)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name}: the writer is closed")
@@ -230,12 +228,13 @@ class Writer:
                 self._report(Result(job, ok=False, reason=entry.failure, in_flight=entry.in_flight))
                 continue
             try:
-                sums = self._prepare(job, entry.pairs)
+                sums = self._checksums.of_chunk(job.destination.peer.pairs, job.chunk.pages,
+                                                job.chunk.offset)
             except checksum.ChecksumError as exc:
                 self._report(Result(job, ok=False, reason=str(exc)))
                 continue
             except Exception as exc:  # a bug must fail the request, not stop the lane
-                log.exception("%s: room %d: preparing a chunk failed", self.name, job.sender.room)
+                log.exception("%s: room %d: checksumming a chunk failed", self.name, job.sender.room)
                 self._report(Result(job, ok=False, in_flight=True,
                                     reason=f"internal error: {type(exc).__name__}: {exc}"))
                 continue
@@ -268,7 +267,7 @@ class Writer:
 
     def _report(self, result: Result) -> None:
         try:
-            self._finish(result)
-        except Exception:  # the node's bookkeeping failing must not stop the lane
+            self._outcomes.finish(result)
+        except Exception:  # the reporter's bookkeeping failing must not stop the lane
             log.exception("%s: room %d: recording a chunk's outcome failed", self.name,
                           result.job.sender.room)

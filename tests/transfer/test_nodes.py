@@ -241,7 +241,7 @@ def test_duplicate_room_from_the_wire_fails_the_room_and_writes_nothing(nodes):
 
 def test_unknown_room_report_is_dropped_and_counted(nodes):
     prefill, decode = nodes()
-    peer = next(iter(prefill._peers.values()))
+    peer = next(iter(prefill._sessions.peers.values()))
     prefill._loop.send(prefill._socket, protocol.ChunkDone(12345, 0, ok=True, last=True),
                        peer.identity)
     wait_for(lambda: decode._loop.bad_messages == 1)

@@ -20,6 +20,7 @@ from dsa_bridge.transfer.plan import (
     coalesce_runs,
     pair_aux,
     pair_buffers,
+    plan_chunk,
     plan_writes,
     with_aux_writes,
 )
@@ -242,13 +243,15 @@ def test_a_pair_table_plans_exactly_what_its_pairs_do():
         plan_writes(table, [1], [80])
 
 
-def test_a_pair_table_of_some_layers_holds_only_their_pairs():
-    table = pairs(layers=(4, 7, 9))
-    assert table.of_layers(None) is table and table.of_layers(frozenset({4, 7, 9, 11})) is table
-    seven = table.of_layers(frozenset({7, 11}))
-    assert [(p.src.layer_id, p.src.kind) for p in seven] == [(7, "kv"), (7, "index")]
-    assert seven.src_ptr.tolist() == [p.src.ptr for p in seven]
-    assert len(table.of_layers(frozenset({5}))) == 0
+def test_a_chunk_plan_adds_the_aux_slots_only_with_the_last_chunk():
+    table = pairs(layers=(4, 7))
+    alone = plan_writes(table, [3, 4], [10, 11])
+    middle = plan_chunk(table, [3, 4], [10, 11], last=False, aux_pairs=aux_pairs(), aux_src=3, aux_dst=11)
+    last = plan_chunk(table, [3, 4], [10, 11], last=True, aux_pairs=aux_pairs(), aux_src=3, aux_dst=11)
+    assert middle.dst.tolist() == alone.dst.tolist()
+    assert last.dst.tolist() == with_aux_writes(alone, aux_pairs(), 3, 11).dst.tolist()
+    with pytest.raises(PlanError, match="decode asked for aux slot 11 but this request has none"):
+        plan_chunk(table, [3], [10], last=True, aux_pairs=aux_pairs(), aux_dst=11)
 
 
 def test_the_first_plan_imports_nothing():

@@ -1,22 +1,22 @@
 """The writer on its own, over the in-process memmove engine: jobs queued for one peer go out in
 one engine write, a job is planned when it is submitted (so planning overlaps the write in
 flight), a failed write fails every job in it as in flight, a job that cannot be planned
-fails alone, a job of a failed request is skipped, a layer range plans only its layers' pairs,
-and a peer whose write hangs delays no other peer. Real engines in real processes:
-tests/reliability/test_isolation.py."""
+fails alone, a job of a failed request is skipped, the checksums and outcomes go to the objects
+the writer was given, and a peer whose write hangs delays no other peer. Real engines in real
+processes: tests/reliability/test_isolation.py."""
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+import time
 
 import numpy as np
 import pytest
 
 from dsa_bridge.plugin.descriptors import BufferDescriptor, raw_region
 from dsa_bridge.transfer import writer as writer_module
-from dsa_bridge.transfer.plan import BufferPair, plan_writes
-from dsa_bridge.transfer.request import KVPoll
+from dsa_bridge.transfer.plan import BufferPair, PairTable, plan_chunk, plan_writes
+from dsa_bridge.transfer.prefill_records import Chunk, DecodeDestination, DecodePeer, KVSender
 from dsa_bridge.transfer.writer import Job, Result, Writer, join_plans, shares
 
 from .fake_backend import FakeBackend
@@ -25,15 +25,30 @@ from .helpers import wait_for
 PAGES, ITEM, LAYERS = 16, 64, (3, 5, 7)
 
 
-@dataclass
-class _State:
-    status: KVPoll = KVPoll.Transferring
+def make_sender(room: int, *, failed: bool = False) -> KVSender:
+    """A request's sender as the writer sees it (no node behind it)."""
+    sender = KVSender(None, room, 60.0)
+    if failed:
+        sender.state.fail("failed before its write", time.monotonic())
+    return sender
 
 
-@dataclass
-class _Sender:
-    room: int
-    state: _State = field(default_factory=_State)
+class Outcomes:
+    """Records each outcome; ``raise_first``: the first call fails, as a bookkeeping bug."""
+
+    def __init__(self, results: list[Result], *, raise_first: bool = False):
+        self.results = results
+        self.raise_first = raise_first
+
+    def finish(self, result: Result) -> None:
+        self.results.append(result)
+        if self.raise_first and len(self.results) == 1:
+            raise ValueError("bookkeeping bug")
+
+
+class NoChecksums:
+    def of_chunk(self, pairs, pages, offset):
+        return None
 
 
 class Side:
@@ -83,8 +98,8 @@ def rig():
         pairs = [[BufferPair(s, d) for s, d in zip(src.buffers(), p.buffers(), strict=True)]
                  for p in peers]
         results: list[Result] = []
-        writer = Writer(engine, name="t", timeout_s=5.0, prepare=lambda job, pairs: None,
-                        finish=results.append)
+        writer = Writer(engine, name="t", timeout_s=5.0, checksums=NoChecksums(),
+                        outcomes=Outcomes(results))
         made.append((writer, engine))
         return writer, engine, src, peers, pairs, results
 
@@ -95,15 +110,16 @@ def rig():
         engine.close()
 
 
-def job(sender, peer: Side, pairs, pages, dst, *, last=True, layers=None) -> Job:
-    return Job(sender, None, peer.engine.id, pairs, 0, np.asarray(pages), np.asarray(dst), last,
-               layers)
+def job(sender, peer: Side, pairs, pages, dst, *, last=True) -> Job:
+    decode = DecodePeer(b"decode", "decode", peer.engine.id, PairTable(pairs), 0.0)
+    destination = DecodeDestination(decode, np.asarray(dst), 0, 0.0)
+    return Job(sender, destination, Chunk(0, np.asarray(pages), last))
 
 
 def test_jobs_queued_for_one_peer_go_out_in_one_engine_write(rig):
     writer, engine, src, peers, pairs, results = rig()
     engine.held.add(peers[0].engine.id)
-    senders = [_Sender(room) for room in range(4)]
+    senders = [make_sender(room) for room in range(4)]
     writer.submit(job(senders[0], peers[0], pairs[0], [1], [2]))
     wait_for(engine.entered.is_set, what="the first write held")
     for i, sender in enumerate(senders[1:], start=1):  # queued while the first write runs
@@ -128,16 +144,16 @@ def test_a_job_is_planned_when_submitted_while_the_lane_still_writes(rig, monkey
     writer, engine, src, peers, pairs, results = rig()
     planned_in: list[threading.Thread] = []
 
-    def plan_writes_recorded(*args):
+    def plan_chunk_recorded(*args, **kw):
         planned_in.append(threading.current_thread())
-        return plan_writes(*args)
+        return plan_chunk(*args, **kw)
 
-    monkeypatch.setattr(writer_module, "plan_writes", plan_writes_recorded)
+    monkeypatch.setattr(writer_module, "plan_chunk", plan_chunk_recorded)
     engine.held.add(peers[0].engine.id)
-    writer.submit(job(_Sender(0), peers[0], pairs[0], [1], [1]))
+    writer.submit(job(make_sender(0), peers[0], pairs[0], [1], [1]))
     wait_for(engine.entered.is_set, what="the first write held")
     for room in (1, 2, 3):
-        writer.submit(job(_Sender(room), peers[0], pairs[0], [room + 1], [room + 1]))
+        writer.submit(job(make_sender(room), peers[0], pairs[0], [room + 1], [room + 1]))
     assert planned_in == [threading.current_thread()] * 4  # all of them, before the write ends
     assert not results
     engine.release.set()
@@ -148,10 +164,10 @@ def test_a_job_is_planned_when_submitted_while_the_lane_still_writes(rig, monkey
 def test_a_failed_batch_fails_every_job_in_it_as_in_flight(rig):
     writer, engine, src, peers, pairs, results = rig(fail_every=2)
     engine.held.add(peers[0].engine.id)
-    writer.submit(job(_Sender(0), peers[0], pairs[0], [1], [1]))
+    writer.submit(job(make_sender(0), peers[0], pairs[0], [1], [1]))
     wait_for(engine.entered.is_set, what="the first write held")
     for room in (1, 2, 3):
-        writer.submit(job(_Sender(room), peers[0], pairs[0], [room + 1], [room + 1]))
+        writer.submit(job(make_sender(room), peers[0], pairs[0], [room + 1], [room + 1]))
     engine.release.set()
     wait_for(lambda: len(results) == 4, what="every job finished")
     assert results[0].ok and not results[0].in_flight
@@ -165,10 +181,10 @@ def test_a_failed_batch_fails_every_job_in_it_as_in_flight(rig):
 def test_a_job_that_cannot_be_planned_fails_alone_before_any_write(rig):
     writer, engine, src, peers, pairs, results = rig()
     engine.held.add(peers[0].engine.id)
-    writer.submit(job(_Sender(0), peers[0], pairs[0], [1], [1]))
+    writer.submit(job(make_sender(0), peers[0], pairs[0], [1], [1]))
     wait_for(engine.entered.is_set, what="the first write held")
-    writer.submit(job(_Sender(1), peers[0], pairs[0], [2], [PAGES]))  # beyond decode's buffers
-    writer.submit(job(_Sender(2), peers[0], pairs[0], [3], [3]))
+    writer.submit(job(make_sender(1), peers[0], pairs[0], [2], [PAGES]))  # beyond decode's buffers
+    writer.submit(job(make_sender(2), peers[0], pairs[0], [3], [3]))
     engine.release.set()
     wait_for(lambda: len(results) == 3, what="every job finished")
     bad = results[1]
@@ -179,33 +195,36 @@ def test_a_job_that_cannot_be_planned_fails_alone_before_any_write(rig):
 
 def test_a_job_of_a_failed_request_is_skipped(rig):
     writer, engine, src, peers, pairs, results = rig()
-    sender = _Sender(0, _State(KVPoll.Failed))
+    sender = make_sender(0, failed=True)
     writer.submit(job(sender, peers[0], pairs[0], [1], [1]))
     wait_for(lambda: results, what="the job finished")
     assert (results[0].ok, results[0].reason, results[0].in_flight) == (False, "", False)
     assert engine.calls == [] and (peers[0].page(LAYERS[0], "kv", 1) == 0).all()
 
 
-def test_a_layer_range_plans_only_those_layers(rig):
+def test_checksums_come_from_the_checksum_object_before_the_write(rig):
     writer, engine, src, peers, pairs, results = rig()
-    writer.submit(job(_Sender(0), peers[0], pairs[0], [4, 5], [6, 7], layers=frozenset({5})))
+    asked = []
+
+    class Sums:
+        def of_chunk(self, pairs, pages, offset):
+            asked.append((len(pairs), pages.tolist(), offset, len(engine.calls)))
+            return "sums"
+
+    writer._checksums = Sums()
+    writer.submit(job(make_sender(0), peers[0], pairs[0], [4, 5], [6, 7]))
     wait_for(lambda: results, what="the job finished")
-    assert results[0].ok and results[0].plan.descriptors == 2  # layer 5's kv and index
-    for layer in LAYERS:
-        for kind in ("kv", "index"):
-            assert (peers[0].page(layer, kind, 6) == (layer == 5)).all()
-    writer.submit(job(_Sender(1), peers[0], pairs[0], [4], [8], layers=frozenset({4})))
-    wait_for(lambda: len(results) == 2, what="the job finished")
-    assert results[1].reason == "bad pages: no buffers to transfer" and not results[1].in_flight
+    assert asked == [(6, [4, 5], 0, 0)]  # every pair, the chunk's pages, before the write
+    assert results[0].ok and results[0].sums == "sums"
 
 
 def test_a_peer_whose_write_hangs_delays_no_other_peer(rig):
     writer, engine, src, peers, pairs, results = rig()
     engine.held.add(peers[0].engine.id)
-    writer.submit(job(_Sender(0), peers[0], pairs[0], [1], [1]))
+    writer.submit(job(make_sender(0), peers[0], pairs[0], [1], [1]))
     wait_for(engine.entered.is_set, what="peer 0's write held")
     for room in range(1, 6):
-        writer.submit(job(_Sender(room), peers[1], pairs[1], [room], [room]))
+        writer.submit(job(make_sender(room), peers[1], pairs[1], [room], [room]))
     wait_for(lambda: len(results) == 5, what="peer 1's jobs finished while peer 0 hangs")
     assert all(r.ok and r.job.engine_peer == peers[1].engine.id for r in results)
     assert sorted(writer.lanes()) == sorted(p.engine.id for p in peers)
@@ -217,9 +236,9 @@ def test_a_peer_whose_write_hangs_delays_no_other_peer(rig):
 def test_an_idle_lane_ends_its_thread_and_a_new_job_starts_one(rig):
     writer, engine, src, peers, pairs, results = rig()
     writer._idle_s = 0.05
-    writer.submit(job(_Sender(0), peers[0], pairs[0], [1], [1]))
+    writer.submit(job(make_sender(0), peers[0], pairs[0], [1], [1]))
     wait_for(lambda: results and not writer.lanes(), what="the lane retired")
-    writer.submit(job(_Sender(1), peers[0], pairs[0], [2], [2]))
+    writer.submit(job(make_sender(1), peers[0], pairs[0], [2], [2]))
     wait_for(lambda: len(results) == 2, what="a new lane wrote the job")
     assert results[1].ok
 
@@ -228,21 +247,15 @@ def test_a_closed_writer_refuses_jobs(rig):
     writer, engine, src, peers, pairs, results = rig()
     writer.close(5)
     with pytest.raises(RuntimeError, match="t: the writer is closed"):
-        writer.submit(job(_Sender(0), peers[0], pairs[0], [1], [1]))
+        writer.submit(job(make_sender(0), peers[0], pairs[0], [1], [1]))
 
 
-def test_a_failing_finish_does_not_stop_the_lane(rig):
+def test_a_failing_outcome_does_not_stop_the_lane(rig):
     writer, engine, src, peers, pairs, results = rig()
-    calls = []
-
-    def finish(result):
-        calls.append(result)
-        if len(calls) == 1:
-            raise ValueError("bookkeeping bug")
-
-    writer._finish = finish
-    writer.submit(job(_Sender(0), peers[0], pairs[0], [1], [1]))
-    writer.submit(job(_Sender(1), peers[0], pairs[0], [2], [2]))
+    calls: list[Result] = []
+    writer._outcomes = Outcomes(calls, raise_first=True)
+    writer.submit(job(make_sender(0), peers[0], pairs[0], [1], [1]))
+    writer.submit(job(make_sender(1), peers[0], pairs[0], [2], [2]))
     wait_for(lambda: len(calls) == 2, what="both jobs finished")
     assert all(r.ok for r in calls)
 

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from ..decode import DecodeNode, KVReceiver
-from ..prefill import IncomingRoom, PrefillNode
+from ..prefill import PrefillNode
+from ..prefill_records import IncomingRequest
 from ..request import KVPoll
 from .page_allocator import PageAllocator
 from .page_pattern import SENTINEL, expected_pages
@@ -112,7 +113,7 @@ def serve_prefill(node: PrefillNode, stop: threading.Event, *, chunk_pages: int 
         raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
     report = PrefillReport() if report is None else report
     allocator = PageAllocator(node.pool.num_kv_pages, seed=seed)
-    waiting: collections.deque[IncomingRoom] = collections.deque()
+    waiting: collections.deque[IncomingRequest] = collections.deque()
     active = []
     while not stop.is_set():
         try:

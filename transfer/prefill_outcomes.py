@@ -1,0 +1,104 @@
+"""What prefill tells decode about a request, and what it counts: ``ChunkReporter``.
+
+The reporter owns the prefill side's ``ChunkDone`` messages and the end of a request:
+
+- ``finish``: a chunk left the writer (called in the writer lane's thread, once per job, in queue
+  order; it takes the node's lock). Written: counted and, unless the request failed meanwhile,
+  reported to decode at once; the request succeeds with its last chunk. Failed: the request
+  fails. Either way the job leaves ``KVSender.busy``;
+- ``fail_locked``: a request fails (counted and logged once). Decode is told once
+  (``ChunkDone(ok=False)``), and only once no write of ours into its pages can still run
+  (``busy == 0``) and while decode's destination for it is on record: a destination dropped with
+  its decode node is reported through that node's next handshake instead (the fence);
+- ``refuse``: a request decode announced is refused before any sender is involved.
+
+Messages go through ``send`` (the control loop's thread-safe queue), so a lane reports without
+waiting for the loop's tick. The reporter never submits to the writer, and reads the node's
+``destinations`` table without changing it; methods named ``_locked`` expect the node's lock held.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from . import protocol
+from .counters import Counters
+from .plan import WritePlan
+from .prefill_records import DecodeDestination, DecodePeer, KVSender
+from .request import KVPoll
+from .writer import Result
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[protocol.Message, bytes], None]  # a message to the decode node of this identity
+
+
+class ChunkReporter:
+    """Reports chunks and failures to decode and counts them (see the module docstring)."""
+
+    def __init__(self, name: str, lock: threading.Lock, counters: Counters,
+                 destinations: Mapping[int, DecodeDestination], send: Send):
+        self.name = name
+        self.counters = counters
+        self._lock = lock
+        self._destinations = destinations
+        self._send = send
+
+    def finish(self, result: Result) -> None:
+        """One chunk left the writer: written, failed, or skipped (its request had failed)."""
+        job = result.job
+        sender = job.sender
+        with self._lock:
+            if result.ok:
+                self._chunk_written_locked(sender, job.destination, result.plan, job.chunk.last,
+                                           result.seconds, result.sums)
+            elif result.reason:
+                if result.engine_failure and result.batch_index == 0:
+                    self.counters.add(engine_failures=1)
+                if result.in_flight:
+                    sender.write_failed = True
+                self.fail_locked(sender, result.reason, in_flight=result.in_flight)
+            sender.busy -= 1
+            if sender.state.status == KVPoll.Failed:
+                self.report_failure_locked(sender, in_flight=result.in_flight)
+
+    def fail_locked(self, sender: KVSender, reason: str, *, in_flight: bool = False) -> None:
+        """Fail ``sender`` (a no-op once it is terminal) and tell decode when it may be told."""
+        if sender.state.fail(reason, time.monotonic()):
+            self.counters.request_failed(reason)
+            log.warning("%s: room %d failed: %s", self.name, sender.room, reason)
+        self.report_failure_locked(sender, in_flight=in_flight)
+
+    def report_failure_locked(self, sender: KVSender, *, in_flight: bool) -> None:
+        """Tell decode once, when no write of ours into its pages is still running."""
+        destination = self._destinations.get(sender.room)
+        if sender.reported or sender.busy or destination is None:
+            return
+        sender.reported = True
+        self._send(protocol.ChunkDone(
+            sender.room, sender.chunks_sent, ok=False, last=True, reason=sender.state.reason,
+            in_flight=in_flight or sender.write_failed), destination.peer.identity)
+
+    def refuse(self, peer: DecodePeer, room: int, reason: str) -> None:
+        """Refuse a request ``peer`` announced (no write of ours into its pages ever ran)."""
+        log.warning("%s: refused room %d from %s: %s", self.name, room, peer.node, reason)
+        self._send(protocol.ChunkDone(room, 0, ok=False, last=True, reason=reason), peer.identity)
+
+    def _chunk_written_locked(self, sender: KVSender, destination: DecodeDestination,
+                              plan: WritePlan, last: bool, seconds: float,
+                              sums: protocol.PageChecksums | None) -> None:
+        self.counters.add(chunks=1, bytes=plan.nbytes, descriptors=plan.descriptors,
+                          write_seconds=seconds)
+        sender.chunks_sent += 1
+        if sender.state.status == KVPoll.Failed:  # aborted while writing: already reported
+            return
+        self._send(protocol.ChunkDone(
+            sender.room, sender.chunks_sent - 1, ok=True, last=last, nbytes=plan.nbytes,
+            descriptors=plan.descriptors, write_seconds=seconds, checksums=sums),
+            destination.peer.identity)
+        if last and sender.state.advance(KVPoll.Success, time.monotonic()):
+            state = sender.state
+            self.counters.request_ok(state.finished_at - (state.transferring_at or state.created))

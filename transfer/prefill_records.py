@@ -1,0 +1,110 @@
+"""What the prefill side keeps about decode nodes and requests: plain records, and ``KVSender``.
+
+- ``DecodePeer``: a paired decode node, one epoch of its session (what it announced at its
+  handshake, the rooms it announced since);
+- ``DecodeDestination``: where decode wants one request's pages (its peer, page ids, aux slot);
+- ``IncomingRequest``: a request decode announced that has no sender yet, as the application
+  is offered it on ``PrefillNode.incoming``;
+- ``Chunk``: a part of a request's prefill page ids, queued until decode's pages are known;
+- ``KVSender``: one request on the prefill side (SGLang's BaseKVSender semantics). Its calls go
+  to the node's request book (``SenderBook``: ``prefill_requests.RequestBook``), which holds the
+  node's lock while it changes the sender.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from .plan import BufferPair, PairTable
+from .request import TERMINAL, RequestHandle
+
+
+@dataclass
+class DecodePeer:
+    """A paired decode node: one epoch of its session, until a later Hello or silence ends it."""
+
+    identity: bytes  # its control connection (ZMQ ROUTER identity)
+    node: str
+    engine_peer: str
+    pairs: PairTable
+    last_seen: float
+    rooms: set[int] = field(default_factory=set)
+    session: bytes = b""  # decode's session: a later Hello of it ends this epoch
+    dropped_senders: list[KVSender] = field(default_factory=list)  # once dropped: its rooms' senders
+    dropped_at: float = 0.0
+    aux_pairs: list[BufferPair] = field(default_factory=list)
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeDestination:
+    """Where decode wants a request's pages: its node, its page ids and its aux slot."""
+
+    peer: DecodePeer
+    dst_pages: np.ndarray
+    num_tokens: int
+    received_at: float
+    aux_index: int | None = None  # decode's aux slot
+
+
+@dataclass(frozen=True)
+class IncomingRequest:
+    """A request (``room``) decode has allocated pages for, waiting for the application's sender."""
+
+    room: int
+    num_pages: int
+    num_tokens: int
+    peer: str
+
+
+@dataclass(frozen=True, eq=False)
+class Chunk:
+    """Prefill page ids of a request: ``offset`` of the first among the request's pages; ``last``:
+    the chunk that completes them."""
+
+    offset: int
+    pages: np.ndarray
+    last: bool
+
+
+class SenderBook(Protocol):
+    """What a ``KVSender`` calls: the node's request book."""
+
+    def init_sender(self, sender: KVSender, num_pages: int, aux_index: int | None) -> None: ...
+
+    def send_chunk(self, sender: KVSender, page_ids: object) -> None: ...
+
+    def abort(self, sender: KVSender, reason: str) -> None: ...
+
+
+class KVSender(RequestHandle):
+    """One request on the prefill side (SGLang's BaseKVSender semantics)."""
+
+    def __init__(self, book: SenderBook, room: int, timeout_s: float):
+        super().__init__(room, timeout_s)
+        self._book = book
+        self.num_pages: int | None = None
+        self.pages_sent = 0
+        self.chunks_sent = 0
+        self.pending: list[Chunk] = []  # chunks waiting for decode's pages
+        self.busy = 0  # chunks queued for or inside the writer
+        self.reported = False  # decode was told of the failure
+        self.write_failed = False  # an engine write failed: its bytes may still land
+        self.aux_index: int | None = None  # this request's aux slot, written with the last chunk
+
+    def init(self, num_pages: int, aux_index: int | None = None) -> None:
+        self._book.init_sender(self, num_pages, aux_index)
+
+    def send(self, page_ids) -> None:
+        """Queue a chunk of this request's prefill page ids; the chunk that completes
+        ``num_pages`` is the last one."""
+        self._book.send_chunk(self, page_ids)
+
+    def abort(self, reason: str = "aborted by prefill") -> None:
+        self._book.abort(self, reason)
+
+    def can_release(self) -> bool:
+        """True once no write reading this request's pages can still be running."""
+        return self.state.status in TERMINAL and self.busy == 0

@@ -90,8 +90,7 @@ class ChunkReporter:
     def _chunk_written_locked(self, sender: KVSender, destination: DecodeDestination,
                               plan: WritePlan, last: bool, seconds: float,
                               sums: protocol.PageChecksums | None) -> None:
-        self.counters.add(chunks=1, bytes=plan.nbytes, descriptors=plan.descriptors,
-                          write_seconds=seconds)
+        self.counters.record_write(seconds, plan.nbytes, plan.descriptors)
         sender.chunks_sent += 1
         if sender.state.status == KVPoll.Failed:  # aborted while writing: already reported
             return

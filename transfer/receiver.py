@@ -160,8 +160,7 @@ class KVReceiver(RequestHandle):
         self.descriptors += done.descriptors
         self.write_seconds += done.write_seconds
         self.parts.chunk(peer.endpoint, done.nbytes)
-        context.counters.add(chunks=1, bytes=done.nbytes, descriptors=done.descriptors,
-                             write_seconds=done.write_seconds)
+        context.counters.record_write(done.write_seconds, done.nbytes, done.descriptors)
         self.state.advance(KVPoll.Transferring, now)
         return True
 

@@ -146,6 +146,9 @@ def test_both_nodes_export_exact_counts(served):
         assert got[("dsa_bridge_checksum_seconds_total", ())] > 0
         assert got[("dsa_bridge_write_bytes_sum", ())] == 6 * page_bytes * 4
         assert got[("dsa_bridge_write_descriptors_sum", ())] == 3 * 8
+        # one write per chunk in each histogram: the nodes record each write, not only its sums
+        for histogram in ("seconds", "bytes", "descriptors"):
+            assert got[(f"dsa_bridge_write_{histogram}_count", ())] == 3
         assert {labels for name, labels in got if name == "dsa_bridge_request_failures_total"} == {
             (("reason", category),) for category in CATEGORIES}
         assert got[("dsa_bridge_node_info", (("backend", "mooncake"), ("name", node.name),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsa_bridge.transfer.decode_sessions import RETRY_FIRST_S, RETRY_MAX_S, PeerSession
+from dsa_bridge.transfer.decode.sessions import RETRY_FIRST_S, RETRY_MAX_S, PeerSession
 
 
 def test_a_dead_peer_is_offered_new_epochs_with_a_doubling_backoff():

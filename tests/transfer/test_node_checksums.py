@@ -10,8 +10,8 @@ import threading
 import numpy as np
 import pytest
 
-from dsa_bridge.transfer import checksum, verify
-from dsa_bridge.transfer.decode import DecodeNode
+from dsa_bridge.transfer import checksum
+from dsa_bridge.transfer.decode import DecodeNode, verify
 from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll

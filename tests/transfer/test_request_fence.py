@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from dsa_bridge.transfer.request_fence import RequestFence, RequestParts
+from dsa_bridge.transfer.decode.fence import RequestFence, RequestParts
 
 A, B = "10.0.0.1:5000", "10.0.0.2:5000"
 BOUND = 600.0

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from dsa_bridge.plugin.descriptors import BufferDescriptor, raw_region
-from dsa_bridge.transfer import writer as writer_module
 from dsa_bridge.transfer.plan import BufferPair, PairTable, plan_chunk, plan_writes
-from dsa_bridge.transfer.prefill_records import Chunk, DecodeDestination, DecodePeer, KVSender
-from dsa_bridge.transfer.writer import Job, Result, Writer, join_plans, shares
+from dsa_bridge.transfer.prefill import writer as writer_module
+from dsa_bridge.transfer.prefill.records import Chunk, DecodeDestination, DecodePeer, KVSender
+from dsa_bridge.transfer.prefill.writer import Job, Result, Writer, join_plans, shares
 
 from .fake_backend import FakeBackend
 from .helpers import wait_for

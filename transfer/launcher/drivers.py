@@ -23,8 +23,7 @@ import numpy as np
 import torch
 
 from ..decode import DecodeNode, KVReceiver
-from ..prefill import PrefillNode
-from ..prefill_records import IncomingRequest
+from ..prefill import IncomingRequest, PrefillNode
 from ..request import KVPoll
 from .page_allocator import PageAllocator
 from .page_pattern import SENTINEL, expected_pages

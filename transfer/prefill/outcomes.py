@@ -24,11 +24,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from . import protocol
-from .counters import Counters
-from .plan import WritePlan
-from .prefill_records import DecodeDestination, DecodePeer, KVSender
-from .request import KVPoll
+from .. import protocol
+from ..counters import Counters
+from ..plan import WritePlan
+from ..request import KVPoll
+from .records import DecodeDestination, DecodePeer, KVSender
 from .writer import Result
 
 log = logging.getLogger(__name__)

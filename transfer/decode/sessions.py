@@ -31,14 +31,14 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..plugin.descriptors import BufferDescriptor
-from ..plugin.layout import DSALayout
-from . import auth, protocol, receive_limits
-from .backends.base import TransferBackend
-from .control import parse_endpoint, zmq_address
-from .counters import Counters
-from .handshake import BufferKey, HandshakeError, buffer_infos, check_peer, transfer_set
-from .liveness import RECONNECT_IVL_MS, ControlLink
+from ...plugin.descriptors import BufferDescriptor
+from ...plugin.layout import DSALayout
+from .. import auth, protocol, receive_limits
+from ..backends.base import TransferBackend
+from ..control import parse_endpoint, zmq_address
+from ..counters import Counters
+from ..handshake import BufferKey, HandshakeError, buffer_infos, check_peer, transfer_set
+from ..liveness import RECONNECT_IVL_MS, ControlLink
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
-from . import checksum, protocol
-from .request import TERMINAL, RequestState
+from .. import checksum, protocol
+from ..request import TERMINAL, RequestState
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 prefill node(s) for the request, counts what they report, and settles itself.
 
 A request is fed by one prefill node or by pipeline stages that each hold a part of the layers
-(``decode_stages``). Its path, in order:
+(``stages``). Its path, in order:
 
 1. ``init`` (application thread) sends the pages decode allocated (and the aux slot, to the stage
    that holds the last layer) to each of its prefill nodes: WaitingForInput; or fails at once,
@@ -16,7 +16,7 @@ A request is fed by one prefill node or by pipeline stages that each hold a part
    the request turns Success.
 
 A failure asks every prefill that may still write to stop (``Abort``) and holds the pages until
-``request_fence.RequestFence`` lets them go (``_settle_locked``): a prefill's final word, proof that
+``fence.RequestFence`` lets them go (``_settle_locked``): a prefill's final word, proof that
 a silent one can no longer write (``peer_gone_locked``), or the quarantine's upper bound (counted as
 an expiry). The node's tick calls ``tick_locked`` for the deadline and that bound.
 
@@ -35,14 +35,14 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from ..plugin.descriptors import BufferDescriptor
-from . import checksum, protocol
-from .counters import Counters
-from .decode_sessions import PrefillPeer
-from .handshake import BufferKey
-from .plan import PlanError, as_page_ids, check_aux_index, check_pages
-from .request import TERMINAL, KVPoll, RequestHandle
-from .request_fence import RequestFence, RequestParts
+from ...plugin.descriptors import BufferDescriptor
+from .. import checksum, protocol
+from ..counters import Counters
+from ..handshake import BufferKey
+from ..plan import PlanError, as_page_ids, check_aux_index, check_pages
+from ..request import TERMINAL, KVPoll, RequestHandle
+from .fence import RequestFence, RequestParts
+from .sessions import PrefillPeer
 
 log = logging.getLogger(__name__)
 

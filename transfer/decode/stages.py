@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..plugin.layout import DSALayout
-from .decode_sessions import PrefillPeer
-from .handshake import HandshakeError, check_stages
+from ...plugin.layout import DSALayout
+from ..handshake import HandshakeError, check_stages
+from .sessions import PrefillPeer
 
 Choice = str | Sequence[str] | None
 

@@ -19,18 +19,18 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ..plugin.descriptors import BufferDescriptor
-from ..plugin.layout import DSALayout
-from . import auth, protocol
-from .handshake import (
+from ...plugin.descriptors import BufferDescriptor
+from ...plugin.layout import DSALayout
+from .. import auth, protocol
+from ..handshake import (
     HandshakeError,
     check_index_reads,
     check_peer,
     pair_with_peer,
     transfer_set,
 )
-from .plan import AUX_KIND, BufferPair, PairTable, PlanError, pair_aux
-from .prefill_records import DecodePeer, KVSender
+from ..plan import AUX_KIND, BufferPair, PairTable, PlanError, pair_aux
+from .records import DecodePeer, KVSender
 
 
 @dataclass(frozen=True)

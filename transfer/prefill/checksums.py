@@ -13,9 +13,9 @@ import time
 
 import numpy as np
 
-from . import checksum, protocol
-from .counters import Counters
-from .plan import PairTable
+from .. import checksum, protocol
+from ..counters import Counters
+from ..plan import PairTable
 
 
 class ChunkChecksums:

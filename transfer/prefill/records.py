@@ -7,7 +7,7 @@
   is offered it on ``PrefillNode.incoming``;
 - ``Chunk``: a part of a request's prefill page ids, queued until decode's pages are known;
 - ``KVSender``: one request on the prefill side (SGLang's BaseKVSender semantics). Its calls go
-  to the node's request book (``SenderBook``: ``prefill_requests.RequestBook``), which holds the
+  to the node's request book (``SenderBook``: ``requests.RequestBook``), which holds the
   node's lock while it changes the sender.
 """
 
@@ -18,8 +18,8 @@ from typing import Protocol
 
 import numpy as np
 
-from .plan import BufferPair, PairTable
-from .request import TERMINAL, RequestHandle
+from ..plan import BufferPair, PairTable
+from ..request import TERMINAL, RequestHandle
 
 
 @dataclass

@@ -26,13 +26,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..plugin.descriptors import BufferDescriptor
-from . import protocol
-from .counters import Counters
-from .plan import PlanError, as_page_ids, check_aux_index, check_destination
-from .prefill_outcomes import ChunkReporter
-from .prefill_records import Chunk, DecodeDestination, DecodePeer, IncomingRequest, KVSender
-from .request import TERMINAL, KVPoll
+from ...plugin.descriptors import BufferDescriptor
+from .. import protocol
+from ..counters import Counters
+from ..plan import PlanError, as_page_ids, check_aux_index, check_destination
+from ..request import TERMINAL, KVPoll
+from .outcomes import ChunkReporter
+from .records import Chunk, DecodeDestination, DecodePeer, IncomingRequest, KVSender
 from .writer import Job, Writer
 
 MAX_ROOM = 2**63 - 1  # room ids are SGLang bootstrap rooms: non-negative 63-bit

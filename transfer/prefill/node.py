@@ -2,19 +2,19 @@
 
 ``PrefillNode`` listens on a control endpoint and coordinates the units that do the work:
 
-- a Hello goes to the handshake responder (``prefill_sessions``): it authenticates the Hello,
+- a Hello goes to the handshake responder (``sessions``): it authenticates the Hello,
   validates the decode node's handshake and pairs the buffers prefill writes into that node
   (``handshake.transfer_set``: the layers it holds, the indexers decode holds and reads) with the
   ones that node announced; its ``Sessions`` keep each decode node's epochs and hold a new epoch's
   answer until none of the earlier epochs' writes can still run;
 - decode's requests (``RequestPages``, ``Abort``) and the application's ``KVSender`` calls go to
-  the request book (``prefill_requests``): a ``KVSender`` per request (room) takes the prefill's
+  the request book (``requests``): a ``KVSender`` per request (room) takes the prefill's
   page ids, in one or more chunks; once decode has sent its page ids for the room, each chunk
-  goes to the writer (``writer.py``: one lane per decode engine peer), which plans it
+  goes to the writer (``writer``: one lane per decode engine peer), which plans it
   (``plan.py``: every paired buffer, coalesced and bounds-checked), takes its page checksums when
-  ``checksums`` is on (``prefill_checksums``) and writes it through the engine together with the
+  ``checksums`` is on (``checksums``) and writes it through the engine together with the
   other chunks queued for that peer;
-- the writer's lane hands each chunk's outcome to the reporter (``prefill_outcomes``), which
+- the writer's lane hands each chunk's outcome to the reporter (``outcomes``), which
   reports it to decode at once through the control loop and counts it.
 
 Requests decode announced that have no sender yet are offered to the application on ``incoming``.
@@ -33,18 +33,18 @@ import time
 
 import zmq
 
-from . import auth, protocol, receive_limits
-from .backends.base import BackendError, TransferBackend
-from .control import parse_endpoint, zmq_address
-from .counters import Counters
-from .handshake import HandshakeError, pool_buffers
-from .node_runtime import NodeRuntime
-from .plan import as_aux_buffers
-from .prefill_checksums import ChunkChecksums
-from .prefill_outcomes import ChunkReporter
-from .prefill_records import DecodeDestination, DecodePeer, IncomingRequest, KVSender
-from .prefill_requests import RequestBook
-from .prefill_sessions import HelloResponder, Sessions
+from .. import auth, protocol, receive_limits
+from ..backends.base import BackendError, TransferBackend
+from ..control import parse_endpoint, zmq_address
+from ..counters import Counters
+from ..handshake import HandshakeError, pool_buffers
+from ..node_runtime import NodeRuntime
+from ..plan import as_aux_buffers
+from .checksums import ChunkChecksums
+from .outcomes import ChunkReporter
+from .records import DecodeDestination, DecodePeer, IncomingRequest, KVSender
+from .requests import RequestBook
+from .sessions import HelloResponder, Sessions
 from .writer import Writer
 
 log = logging.getLogger(__name__)

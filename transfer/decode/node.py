@@ -1,11 +1,11 @@
 """The decode side's node: handshakes with prefill nodes and receives requests into its pool.
 
 ``DecodeNode`` registers its pool (``node_runtime``), connects to one or more prefill control
-endpoints and handshakes with each (``decode_sessions.Handshaker``: layout, hash, buffers and the
+endpoints and handshakes with each (``sessions.Handshaker``: layout, hash, buffers and the
 indexer layers it reads; a mismatch, or a layer of decode's that no prefill holds, raises
 HandshakeError before anything else happens). ``receiver`` makes a ``receiver.KVReceiver`` for a
 request, fed by the prefill node that holds all its layers or by the pipeline stages that together
-hold each layer once (``decode_stages``); the request sends them its pages and settles itself,
+hold each layer once (``stages``); the request sends them its pages and settles itself,
 to Success (every stage's part arrived, exactly once) or to Failed with a reason: a prefill
 failure, an abort, a missed deadline, or a prefill that stopped answering. Aux buffers
 (``aux_buffers``: one slot per request in each) are announced in the handshake; a request's slot
@@ -21,7 +21,7 @@ The node coordinates; its control thread routes what arrives and runs the tick:
 - the tick marks a prefill silent for ``peer_timeout_s`` dead (``liveness``): every request it may
   still write into is quarantined and the running ones fail; requests to it meanwhile fail at once.
   A dead prefill is offered a new handshake of this node's session, with backoff
-  (``decode_sessions.PeerSession``); its answer, sent only once none of its old writes can run, or
+  (``sessions.PeerSession``); its answer, sent only once none of its old writes can run, or
   its process proven gone (its control connection closed and refused, ``PrefillPeer.watch_link``),
   lifts the quarantines. ``quarantine_timeout_s`` bounds a quarantine (counted as an expiry). The
   tick also runs the requests' deadlines and sends the heartbeats.
@@ -37,16 +37,16 @@ from collections.abc import Iterable
 
 import zmq
 
-from . import protocol
-from .backends.base import TransferBackend
-from .counters import Counters
-from .decode_sessions import Handshaker, PrefillPeer
-from .decode_stages import StageChoice
-from .handshake import check_index_reads, pool_buffers
-from .node_runtime import NodeRuntime
-from .plan import as_aux_buffers
+from .. import protocol
+from ..backends.base import TransferBackend
+from ..counters import Counters
+from ..handshake import check_index_reads, pool_buffers
+from ..node_runtime import NodeRuntime
+from ..plan import as_aux_buffers
+from ..request import KVPoll
 from .receiver import KVReceiver, ReceiverContext
-from .request import KVPoll
+from .sessions import Handshaker, PrefillPeer
+from .stages import StageChoice
 from .verify import ChunkVerifier
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The prefill node's writer: one lane per decode engine peer, each writing its queued chunks in
 one engine write.
 
-The node's request book (``prefill_requests.RequestBook``) hands the writer a ``Job`` per chunk a
+The node's request book (``requests.RequestBook``) hands the writer a ``Job`` per chunk a
 request is ready to send: the request (its ``KVSender``), where decode wants it
 (``DecodeDestination``: the decode node's engine peer and buffer pairs, decode's page ids and aux
 slot) and the chunk (its offset among the request's pages, the prefill page ids, whether it is the
@@ -17,8 +17,8 @@ backend splits it only where the engine's batch limits require. When that write 
 request in the batch fails as in flight: any of its bytes may still land. Each job's outcome (a
 ``Result``) goes to ``outcomes.finish``, in the lane's thread, in queue order, exactly once; until
 then the request counts the job in ``KVSender.busy``. The writer calls nothing else of the node:
-``checksums`` is a ``prefill_checksums.ChunkChecksums`` and ``outcomes`` a
-``prefill_outcomes.ChunkReporter``.
+``checksums`` is a ``checksums.ChunkChecksums`` and ``outcomes`` a
+``outcomes.ChunkReporter``.
 
 A lane with nothing queued for ``idle_s`` ends its thread; the next job for that peer starts a
 new one.
@@ -36,11 +36,11 @@ from typing import Protocol
 
 import numpy as np
 
-from . import checksum, protocol
-from .backends.base import BackendError, TransferBackend
-from .plan import PairTable, PlanError, WritePlan, plan_chunk
-from .prefill_records import Chunk, DecodeDestination, KVSender
-from .request import KVPoll
+from .. import checksum, protocol
+from ..backends.base import BackendError, TransferBackend
+from ..plan import PairTable, PlanError, WritePlan, plan_chunk
+from ..request import KVPoll
+from .records import Chunk, DecodeDestination, KVSender
 
 log = logging.getLogger(__name__)
 

@@ -76,6 +76,9 @@ def _threads() -> set[threading.Thread]:
 
 
 def _native_threads() -> int:
+    """OS threads of this process. An earlier node's thread may still be exiting when a test takes
+    its baseline (joined in Python, not yet gone from /proc): a leak shows as more threads than the
+    baseline, never fewer, so the tests compare with <=."""
     return len(os.listdir("/proc/self/task"))
 
 
@@ -98,8 +101,8 @@ def test_a_prefill_that_cannot_listen_leaves_no_socket_thread_or_registration(ta
         PrefillNode(pool, backend, listen=f"127.0.0.1:{taken_port}")
     assert backend.closed
     assert _threads() == threads
-    wait_for(lambda: _native_threads() == native, 5.0, "ZMQ's I/O threads ended")
-    assert _open_fds() == fds
+    wait_for(lambda: _native_threads() <= native, 5.0, "ZMQ's I/O threads ended")
+    wait_for(lambda: _open_fds() <= fds, 5.0, "the sockets closed")  # the peer side closes async
 
 
 def test_a_decode_whose_handshake_fails_leaves_no_socket_thread_or_registration():
@@ -112,8 +115,8 @@ def test_a_decode_whose_handshake_fails_leaves_no_socket_thread_or_registration(
             DecodeNode(make_pool({**SMALL_CONFIG, "kv_lora_rank": 256}), backend, prefill.endpoint)
         assert backend.closed
         assert _threads() == threads
-        wait_for(lambda: _native_threads() == native, 5.0, "ZMQ's I/O threads ended")
-        assert _open_fds() == fds
+        wait_for(lambda: _native_threads() <= native, 5.0, "ZMQ's I/O threads ended")
+        wait_for(lambda: _open_fds() <= fds, 5.0, "the sockets closed")  # the peer side closes async
     finally:
         prefill.close()
 

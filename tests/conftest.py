@@ -1,10 +1,12 @@
-"""Suite-wide: which engines and devices this machine has, skips with reasons, and a closing
-report of every skipped suite so a green run cannot hide one."""
+"""Suite-wide: which engines and devices this machine has, skips with reasons, a closing report
+of every skipped suite so a green run cannot hide one, and the clearing of the engine settings a
+caller may have exported (tests that start engines set what they need themselves)."""
 
 from __future__ import annotations
 
 import collections
 import functools
+import os
 
 import pytest
 
@@ -26,6 +28,21 @@ def require_engine(name: str) -> None:
     problem = engine_problem(name)
     if problem:
         pytest.skip(f"engine {name} unavailable: {problem}")
+
+
+# Variables that change how an engine (UCX_, MC_, NIXL_), a node (DSA_BRIDGE_: secret, log level,
+# the fault hooks of tests/faulty.py) or the SGLang adapter behaves.
+ENGINE_ENV_PREFIXES = ("UCX_", "MC_", "NIXL_", "DSA_BRIDGE_", "SGLANG_")
+INSTALL_PATHS = frozenset({"NIXL_PLUGIN_DIR", "UCX_MODULE_DIR"})  # where, not how: kept
+
+
+def clear_engine_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset every engine, node and SGLang setting the caller exported (``UCX_NET_DEVICES=lo`` is
+    common for UCX on loopback), for this process and the processes it starts; ``monkeypatch``
+    restores them afterwards. A test then sets what it depends on itself."""
+    for key in sorted(os.environ):
+        if key.startswith(ENGINE_ENV_PREFIXES) and key not in INSTALL_PATHS:
+            monkeypatch.delenv(key)
 
 
 def pytest_terminal_summary(terminalreporter):

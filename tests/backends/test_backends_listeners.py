@@ -3,7 +3,9 @@
 Every TCP socket in LISTEN state that the peer process owns is read from /proc after the peer has
 served a write (so listeners an engine opens lazily count too). NIXL's only listener is UCX's TCP
 connection listener (the NIXL listener thread is off), bound to the host's interface. Mooncake
-0.3.13 cannot be bound at all: see test_mooncake_listens_on_every_interface.
+0.3.13 cannot be bound at all: see test_mooncake_listens_on_every_interface. Every engine setting
+the caller exported is cleared first (an exported ``UCX_NET_DEVICES=lo`` would bind UCX to
+loopback whatever the host): the backend's own choice is what these tests look at.
 """
 
 from __future__ import annotations
@@ -17,14 +19,21 @@ import numpy as np
 import pytest
 
 from dsa_bridge.plugin.descriptors import raw_region
-from dsa_bridge.transfer.backends import create_backend, interface_of
+from dsa_bridge.transfer.backends import create_backend
+from dsa_bridge.transfer.backends.environment import interface_of
 
-from ..conftest import require_engine
+from ..conftest import clear_engine_environment, require_engine
 from .helpers import KV_PAGE
 from .peer import Peer, start_peer
 from .sockets import TcpSocket, listeners
 
 U64 = np.uint64
+
+
+@pytest.fixture(autouse=True)
+def engine_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend's defaults only, in this process and in the peers it spawns (they inherit it)."""
+    clear_engine_environment(monkeypatch)
 
 
 def global_ipv4() -> str | None:
@@ -71,8 +80,9 @@ HOSTS = [pytest.param("127.0.0.1", id="loopback"),
 
 @pytest.mark.parametrize("host", HOSTS)
 def test_nixl_listens_only_on_the_configured_address(host: str) -> None:
-    """UCX_NET_DEVICES is set to the interface holding ``host``: UCX's TCP listener binds its
-    address and nothing else (before, a non-loopback host also got a listener on 127.0.0.1)."""
+    """The backend sets UCX_NET_DEVICES to the interface holding ``host`` (the caller's value is
+    cleared by ``engine_environment``): UCX's TCP listener binds its address and nothing else
+    (before, a non-loopback host also got a listener on 127.0.0.1)."""
     with served_peer("nixl", host) as (_, found):
         pass
     assert found, "UCX opened no TCP listener (is UCX's tcp transport gone?)"

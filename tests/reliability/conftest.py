@@ -8,7 +8,10 @@
   none is left.
 - ``ledger``: what the test injected or tried and what came out; the run's table is printed at the
   end of the session (docs/reliability.md is that table). A test that fails because a bounded wait
-  expired counts as a hang.
+  expired (``Hang``, a subprocess timeout, or ``wait_for``'s "... not reached within ...") counts
+  as a hang.
+- ``engine_environment`` (every test): the engine, node and SGLang settings the caller exported
+  are cleared, in this process and so in every process a test starts; a test sets what it needs.
 - Tests marked ``soak`` (the long variants) run only when selected with ``-m soak``.
 """
 
@@ -20,8 +23,11 @@ from dataclasses import dataclass, fields
 
 import pytest
 
+from ..conftest import clear_engine_environment
 from .netns import Host, Topology, loopback_hosts, unavailable
 from .procs import Hang, Processes
+
+TIMED_OUT = "not reached within"  # the message of tests.transfer.helpers.wait_for's timeout
 
 
 @dataclass
@@ -54,6 +60,11 @@ class Ledger:
         row.failed += failed
         row.bytes_verified += bytes_verified
         row.bytes_lost += bytes_lost
+
+
+@pytest.fixture(autouse=True)
+def engine_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    clear_engine_environment(monkeypatch)
 
 
 @pytest.fixture
@@ -122,7 +133,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     row = _rows.setdefault(category, Row())
     row.tests += call.when == "call"
     if call.excinfo is not None and (call.excinfo.errisinstance((Hang, subprocess.TimeoutExpired))
-                                     or str(call.excinfo.value).startswith("Timeout")):
+                                     or str(call.excinfo.value).startswith("Timeout")
+                                     or TIMED_OUT in str(call.excinfo.value)):
         row.hangs += 1
 
 

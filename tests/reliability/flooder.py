@@ -6,9 +6,12 @@
   messages (every prefix of every message type, the reserved byte 0xc1 with random bytes, several
   frames), valid messages out of place (before any handshake), and now and then a Hello the node
   must refuse (signed with a wrong secret when ``--secret`` is given, of a wrong protocol version
-  otherwise). Counts of what was sent, by how the node should count it, go to ``--result`` once
-  the flood is over; the connections stay open until the ``--hold`` file appears (at most
-  ``HOLD_S``): what a node has not read yet when a peer disconnects is lost with the connection.
+  otherwise); past ``--seconds``, on until the ``--until`` file appears (at most ``UNTIL_S``
+  more: the test makes it once its own requests were served during the flood, however slow a
+  loaded machine makes them). Counts of what was sent, by how the node should count it, and
+  whether ``--until`` appeared go to ``--result`` once the flood is over; the connections stay
+  open until the ``--hold`` file appears (at most ``HOLD_S``): what a node has not read yet when a
+  peer disconnects is lost with the connection.
 - ``oversized``: messages of ``--sizes`` bytes, one at a time; after each it waits until the
   node has closed the connection and ZMQ has made a new one. ``--exact`` bytes of junk are sent
   last: a message of the limit itself reaches the node (and is counted as a bad message).
@@ -37,6 +40,7 @@ from dsa_bridge.transfer.launcher.summary import write_json_atomic
 LAYOUT = DSALayout.preset("deepseek-v3.2")
 CONNECT_TIMEOUT_S = 30.0
 HOLD_S = 180.0
+UNTIL_S = 120.0
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,6 +54,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sizes", default="")
     parser.add_argument("--exact", type=int, default=0)
     parser.add_argument("--result", required=True)
+    parser.add_argument("--until", default="", help="junk: past --seconds, flood on until this "
+                        "file exists")
     parser.add_argument("--hold", default="", help="junk: after the flood, keep the connections "
                         "open until this file exists (so that none of it is lost with them)")
     return parser.parse_args()
@@ -98,8 +104,16 @@ def flood(args) -> dict:
     socks = [dealer(context, args.endpoint) for _ in range(args.connections)]
     sent = {"undecodable": 0, "out_of_place": 0, "hello": 0}
     start = time.monotonic()
+    end = look = start + args.seconds
+    until_seen = not args.until
     i = 0
-    while time.monotonic() - start < args.seconds:
+    while True:
+        now = time.monotonic()
+        if now >= look:  # past --seconds: look for --until every 50 ms
+            until_seen = until_seen or os.path.exists(args.until)
+            if until_seen or now >= end + UNTIL_S:
+                break
+            look = now + 0.05
         sock = socks[i % len(socks)]
         kind, frames = ("hello", [refused_hello(args)]) if i % 50 == 49 else items[i % len(items)]
         i += 1
@@ -108,7 +122,8 @@ def flood(args) -> dict:
         except zmq.Again:  # the node's queue for this connection is full: it reads at its pace
             continue
         sent[kind] += 1
-    write_json_atomic(args.result, {"sent": sent, "seconds": time.monotonic() - start})
+    write_json_atomic(args.result, {"sent": sent, "seconds": time.monotonic() - start,
+                                    "until_seen": until_seen})
     held = time.monotonic()
     while args.hold and not os.path.exists(args.hold) and time.monotonic() - held < HOLD_S:
         time.sleep(0.05)

@@ -1,8 +1,7 @@
-"""In-test pieces of the reliability tier: pools, bounded waits, byte checks of one buffer."""
+"""In-test pieces of the reliability tier: pools, settled requests, byte checks of one buffer.
+(Bounded waits: ``tests.transfer.helpers.wait_for``.)"""
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 import torch
@@ -11,8 +10,6 @@ from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
 from dsa_bridge.transfer.launcher.drivers import reset_pages
 from dsa_bridge.transfer.launcher.page_pattern import SENTINEL, expected_pages
 from dsa_bridge.transfer.request import TERMINAL
-
-from .procs import Hang
 
 DEEPSEEK = DSALayout.preset("deepseek-v3.2")
 GLM_COMPACT = DSALayout.preset("glm-5.2", kv_dtype="fp8_raw", indexer_layout="compact")
@@ -30,18 +27,6 @@ def make_pool(layout: DSALayout = DEEPSEEK, pages: int = 48, *, guard_bytes: int
     if sentinel:
         reset_pages(pool, np.arange(pool.num_kv_pages))
     return pool
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    """Poll ``predicate`` until truthy; raise Hang (counted in the table) after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise Hang(f"{what} not reached within {timeout_s:.0f}s")
-        time.sleep(0.002)
 
 
 def settled(*requests) -> bool:

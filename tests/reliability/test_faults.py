@@ -36,7 +36,8 @@ from dsa_bridge.transfer.request import KVPoll
 from tests.faulty import DELAY_ENV, EVERY_ENV, HALF_LANDED, FaultyBackend
 
 from ..transfer.fake_backend import FakeBackend
-from .helpers import DEEPSEEK, buffer_matches, buffer_untouched, make_pool, settled, wait_until
+from ..transfer.helpers import wait_for
+from .helpers import DEEPSEEK, buffer_matches, buffer_untouched, make_pool, settled
 from .netns import loopback_hosts
 from .procs import Hang, decode, gone, listening, prefill, summary
 
@@ -45,6 +46,13 @@ LO = loopback_hosts(1)[0]
 NODE = ("--pool-tokens", str(64 * 48), "--request-timeout", "120")
 FIRST, LAST = DEEPSEEK.layer_ids[0], DEEPSEEK.layer_ids[-1]
 PAGE_BYTES = (DEEPSEEK.kv_page_bytes + DEEPSEEK.index_page_bytes) * DEEPSEEK.num_layers
+# The prefill's write timeout where a frozen decode node never finishes a write: that write must
+# time out and every other must not. The others move at most 24 MB each, well under a second even
+# at a load average of 16 on 2 cores; the rest is the margin for load (2 s was within its reach).
+WRITE_TIMEOUT_S = 5.0
+# How long decode holds the pages of a request whose failed write may still land, from the report.
+# The test looks at every request every few milliseconds: it sees each failure long before that.
+IN_FLIGHT_GRACE_S = 3.0
 
 
 def request_pages(count: int, per_request: int, start: int = 1) -> list[np.ndarray]:
@@ -76,9 +84,9 @@ def test_prefill_killed_mid_transfer(backend, procs, ledger):
             receiver.init(pages)
             requests.append((receiver, pages))
         on_victim = [r for r, _ in requests[0::2]]
-        wait_until(lambda: any(r.chunks for r in on_victim), 60, "a chunk from the victim")
+        wait_for(lambda: any(r.chunks for r in on_victim), 60, "a chunk from the victim")
         victim.kill()
-        wait_until(lambda: settled(*(r for r, _ in requests)), 30, "every request settled")
+        wait_for(lambda: settled(*(r for r, _ in requests)), 30, "every request settled")
         failed = [r for r in on_victim if r.poll() == KVPoll.Failed]
         verified, lost = verified_bytes(node.pool, requests)
         ledger.record(tried=1, ok=len(requests) - len(failed), failed=len(failed),
@@ -86,10 +94,10 @@ def test_prefill_killed_mid_transfer(backend, procs, ledger):
         assert failed, "the kill came after the victim's requests had finished"
         assert all("unreachable" in str(r.failure_exception()) for r in failed)
         assert all(r.poll() == KVPoll.Success for r, _ in requests[1::2]) and lost == 0
-        wait_until(lambda: all(r.can_release() for r in failed), 10, "failed pages released")
+        wait_for(lambda: all(r.can_release() for r in failed), 10, "failed pages released")
         late = node.receiver(100, prefill=other.endpoint)  # the decode node keeps serving
         late.init(np.arange(41, 45))
-        wait_until(lambda: settled(late), 60, "a request after the kill")
+        wait_for(lambda: settled(late), 60, "a request after the kill")
         assert late.poll() == KVPoll.Success
         assert count_mismatches(node.pool, 100, np.arange(41, 45)) == 0
     assert gone(victim.pid)
@@ -112,19 +120,19 @@ def test_decode_killed_mid_transfer(backend, procs, ledger):
             receiver = node.receiver(room)
             receiver.init(pages)
             requests.append((receiver, pages))
-        wait_until(lambda: "[decode] " in victim.output() and any(r.chunks for r, _ in requests),
-                   90, "both decode nodes receiving")
-        wait_until(lambda: settled(*(r for r, _ in requests)), 90, "the survivor's requests")
+        wait_for(lambda: "[decode] " in victim.output() and any(r.chunks for r, _ in requests),
+                 90, "both decode nodes receiving")
+        wait_for(lambda: settled(*(r for r, _ in requests)), 90, "the survivor's requests")
         # the victim's requests finish together (one engine write) and it then checks their bytes
         # before it asks for more: killed in the delay of a write of its own, not in such a gap
         writes = server.output().count(HALF_LANDED)
-        wait_until(lambda: server.output().count(HALF_LANDED) > writes, 90, "a write to the victim")
+        wait_for(lambda: server.output().count(HALF_LANDED) > writes, 90, "a write to the victim")
         victim.kill()
         verified, lost = verified_bytes(node.pool, requests)
         # the whole prefill pool: only servable once the victim's pages were freed
         whole = node.receiver(50)
         whole.init(np.arange(1, capacity + 1))
-        wait_until(lambda: settled(whole), 90, "a request as large as the prefill pool")
+        wait_for(lambda: settled(whole), 90, "a request as large as the prefill pool")
         requests.append((whole, np.arange(1, capacity + 1)))
         more_verified, more_lost = verified_bytes(node.pool, requests[-1:])
         verified, lost = verified + more_verified, lost + more_lost
@@ -232,12 +240,12 @@ def test_prefill_write_to_a_silent_engine_peer_times_out(silent, ledger):
             with DecodeNode(make_pool(), create_backend("mooncake"), node.endpoint) as good:
                 stalled = good.receiver(8)
                 stalled.init([3, 4])
-                wait_until(lambda: settled(stalled), 30, "a request during the stall")
+                wait_for(lambda: settled(stalled), 30, "a request during the stall")
                 assert stalled.poll() == KVPoll.Success or "engine write failed" in stalled.state.reason
                 silent.hang_up()
                 receiver = good.receiver(9)
                 receiver.init([5, 6, 7])
-                wait_until(lambda: settled(receiver), 60, "a request after the silent peer left")
+                wait_for(lambda: settled(receiver), 60, "a request after the silent peer left")
                 assert receiver.poll() == KVPoll.Success, receiver.state.reason
                 assert count_mismatches(good.pool, 9, np.array([5, 6, 7])) == 0
         finally:
@@ -276,15 +284,15 @@ def test_write_into_a_frozen_decode_times_out(backend, procs, ledger, monkeypatc
     at = 2
     engine = FreezeAtWrite(create_backend(backend), at=at)
     stop = threading.Event()
-    with PrefillNode(make_pool(), engine, write_timeout_s=2.0, peer_timeout_s=60.0) as node:
+    with PrefillNode(make_pool(), engine, write_timeout_s=WRITE_TIMEOUT_S, peer_timeout_s=60.0) as node:
         thread = threading.Thread(target=serve_prefill, args=(node, stop), daemon=True)
         thread.start()
         try:
             victim = decode(procs, LO, backend, node.endpoint, *NODE, "--requests", "3",
                             "--concurrency", "1", "--max-tokens", "256", name="victim")
             engine.pid = victim.pid
-            wait_until(lambda: node.counters.snapshot()["engine_failures"] == 1, 60,
-                       "the write into the frozen decode timed out")
+            wait_for(lambda: node.counters.snapshot()["engine_failures"] == 1, 60,
+                     "the write into the frozen decode timed out")
             assert engine.frozen.is_set() and node.counters.snapshot()["requests_ok"] == at - 1
             survivor = decode(procs, LO, backend, node.endpoint, *NODE, "--requests", "4",
                               "--max-tokens", "512", name="survivor")
@@ -306,7 +314,7 @@ def test_engine_write_failing_every_third_call(backend, procs, ledger):
     server = prefill(procs, LO, backend, *NODE, "--chunk-pages", "1", env={EVERY_ENV: "3"})
     listening(procs, server)
     with DecodeNode(make_pool(), create_backend(backend), server.endpoint,
-                    in_flight_grace_s=3.0) as node:
+                    in_flight_grace_s=IN_FLIGHT_GRACE_S) as node:
         requests = []
         for room, pages in enumerate(request_pages(9, 1) + request_pages(3, 3, start=20)):
             receiver = node.receiver(room)
@@ -320,14 +328,16 @@ def test_engine_write_failing_every_third_call(backend, procs, ledger):
                     held_at_failure[receiver.room] = not receiver.can_release()
             return settled(*(r for r, _ in requests))
 
-        wait_until(watch, 90, "every request settled")
+        wait_for(watch, 90, "every request settled")
         failed = [(r, p) for r, p in requests if r.poll() == KVPoll.Failed]
         verified, lost = verified_bytes(node.pool, requests)
         assert all(held_at_failure[r.room] for r, _ in failed), "failed pages were released at once"
         assert all("injected failure" in str(r.failure_exception()) for r, _ in failed)
         # part of each failed write landed, yet the request is Failed and its pages are held
         assert all(buffer_matches(node.pool, r.room, p[:1], FIRST, "kv") for r, p in failed)
-        wait_until(lambda: all(r.can_release() for r, _ in failed), 15, "pages after the grace")
+        # released once the grace has run from the last report (seconds ago): 12 s of margin
+        wait_for(lambda: all(r.can_release() for r, _ in failed), IN_FLIGHT_GRACE_S + 12,
+                 "pages after the grace")
     assert server.stop() == 0
     counters = server.counters()
     ledger.record(tried=counters["engine_failures"], ok=len(requests) - len(failed),
@@ -349,26 +359,26 @@ def test_decode_abort_while_the_write_is_landing(backend, procs, ledger):
                     in_flight_grace_s=120.0) as node:
         landing, queued = node.receiver(1), node.receiver(2)
         landing.init(landing_pages)
-        wait_until(lambda: buffer_matches(node.pool, 1, landing_pages, FIRST, "kv"), 60,
-                   "the first half of the write")
+        wait_for(lambda: buffer_matches(node.pool, 1, landing_pages, FIRST, "kv"), 60,
+                 "the first half of the write")
         queued.init(queued_pages)
         assert buffer_untouched(node.pool, landing_pages, LAST, "index")  # still in flight
         landing.abort("client went away")
         queued.abort("client went away")
         assert landing.poll() == queued.poll() == KVPoll.Failed
         assert not landing.can_release() and not queued.can_release()
-        wait_until(lambda: landing.can_release() and queued.can_release(), 30,
-                   "prefill's confirmation")
+        wait_for(lambda: landing.can_release() and queued.can_release(), 30,
+                 "prefill's confirmation")
         assert count_mismatches(node.pool, 1, landing_pages) == 0  # landed before the release
         assert sentinel_intact(node.pool, queued_pages)  # never written
         reset_pages(node.pool, landing_pages)
-        wait_until(lambda: server.output().count("aborted by decode") >= 2, 10, "prefill's log")
+        wait_for(lambda: server.output().count("aborted by decode") >= 2, 10, "prefill's log")
         assert sentinel_intact(node.pool, landing_pages)  # nothing landed after the release
         node.forget(landing)
         node.forget(queued)
         reuse = node.receiver(3)
         reuse.init(landing_pages)
-        wait_until(lambda: settled(reuse), 60, "a request reusing the pages")
+        wait_for(lambda: settled(reuse), 60, "a request reusing the pages")
         assert reuse.poll() == KVPoll.Success
         lost = count_mismatches(node.pool, 3, landing_pages)
     ledger.record(tried=2, ok=1, failed=2, bytes_verified=4 * PAGE_BYTES, bytes_lost=lost)
@@ -389,11 +399,11 @@ def test_prefill_abort_while_the_write_is_landing(backend, ledger):
         sender = prefill_node.sender(1)
         sender.init(pages.size)
         sender.send(pages)
-        wait_until(engine.in_flight.is_set, 30, "the first half of the write")
+        wait_for(engine.in_flight.is_set, 30, "the first half of the write")
         sender.abort("evicted by the scheduler")
         assert sender.poll() == KVPoll.Failed and not sender.can_release()
         assert receiver.poll() != KVPoll.Failed  # not told before the write returned
-        wait_until(lambda: receiver.poll() == KVPoll.Failed, 30, "decode told of the abort")
+        wait_for(lambda: receiver.poll() == KVPoll.Failed, 30, "decode told of the abort")
         assert receiver.can_release() and sender.can_release()
         assert "evicted by the scheduler" in str(receiver.failure_exception())
         assert count_mismatches(node.pool, 1, pages) == 0  # everything landed before
@@ -405,7 +415,7 @@ def test_prefill_abort_while_the_write_is_landing(backend, ledger):
         later = prefill_node.sender(2)
         later.init(pages.size)
         later.send(pages)
-        wait_until(lambda: settled(reuse), 30, "a request reusing the pages")
+        wait_for(lambda: settled(reuse), 30, "a request reusing the pages")
         assert reuse.poll() == KVPoll.Success
         lost = count_mismatches(node.pool, 2, pages)
     ledger.record(tried=1, ok=1, failed=1, bytes_verified=4 * PAGE_BYTES, bytes_lost=lost)
@@ -429,7 +439,7 @@ def test_a_failed_chunk_keeps_the_pages_held_when_later_chunks_are_skipped(backe
             sender.send(chunk)
         receiver = node.receiver(1)
         receiver.init(pages)
-        wait_until(lambda: settled(receiver), 30, "the failure report")
+        wait_for(lambda: settled(receiver), 30, "the failure report")
         assert receiver.poll() == KVPoll.Failed and "injected failure" in receiver.state.reason
         assert engine.writes == 1 and buffer_matches(node.pool, 1, pages[:1], FIRST, "kv")
         assert not receiver.can_release(), "pages released while the failed write may land"
@@ -446,7 +456,7 @@ def test_a_room_whose_decode_node_died_fails_as_soon_as_prefill_takes_it_up(ledg
         decode_node.receiver(4).init([1, 2])
         incoming = node.incoming.get(timeout=10)
         decode_node.close()
-        wait_until(lambda: not node.peers(), 10, "the dead decode node dropped")
+        wait_for(lambda: not node.peers(), 10, "the dead decode node dropped")
         sender = node.sender(incoming.room)
         ledger.record(tried=1, failed=1)
         assert sender.poll() == KVPoll.Failed and "unreachable" in sender.state.reason

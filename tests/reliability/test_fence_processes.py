@@ -28,7 +28,8 @@ from dsa_bridge.transfer.launcher.page_allocator import PageAllocator
 from dsa_bridge.transfer.request import KVPoll
 from tests.faulty import DELAY_ENV
 
-from .helpers import DEEPSEEK, buffer_matches, buffer_untouched, make_pool, settled, wait_until
+from ..transfer.helpers import wait_for
+from .helpers import DEEPSEEK, buffer_matches, buffer_untouched, make_pool, settled
 from .netns import loopback_hosts
 from .procs import listening, prefill
 
@@ -87,11 +88,11 @@ def test_a_frozen_prefill_resuming_writes_nothing_into_reused_pages(backend, pro
         first = node.receiver(1, prefill=victim.endpoint)
         first.init(first_pages, VICTIM_PAGES * 64)
         pages.hold(first, first_pages)
-        wait_until(lambda: buffer_matches(pool, 1, first_pages, FIRST, "kv"), 60,
-                   "the first half of the victim's write")
+        wait_for(lambda: buffer_matches(pool, 1, first_pages, FIRST, "kv"), 60,
+                 "the first half of the victim's write")
         victim.signal(signal.SIGSTOP)
         assert buffer_untouched(pool, first_pages, LAST, "index"), "the write was not mid-way"
-        wait_until(lambda: first.poll() == KVPoll.Failed, 20, "decode failing the frozen request")
+        wait_for(lambda: first.poll() == KVPoll.Failed, 20, "decode failing the frozen request")
         assert "unreachable" in first.state.reason
         failed_at = time.monotonic()
         held_frozen = node.held_pages()
@@ -135,7 +136,7 @@ def test_a_frozen_prefill_resuming_writes_nothing_into_reused_pages(backend, pro
         again_pages = pages.alloc(4)
         again = node.receiver(3, prefill=victim.endpoint)
         again.init(again_pages, 4 * 64)
-        wait_until(lambda: settled(again), 60, "a request to the recovered victim")
+        wait_for(lambda: settled(again), 60, "a request to the recovered victim")
         assert again.poll() == KVPoll.Success, again.state.reason
         lost += count_mismatches(pool, 3, again_pages)
         assert lost == 0 and pool.canaries_intact()

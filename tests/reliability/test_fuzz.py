@@ -31,7 +31,8 @@ from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll
 
 from ..transfer.fake_backend import FakeBackend
-from .helpers import DEEPSEEK, GLM_COMPACT, SMALL, SMALL_SHARED, make_pool, settled, wait_until
+from ..transfer.helpers import wait_for
+from .helpers import DEEPSEEK, GLM_COMPACT, SMALL, SMALL_SHARED, make_pool, settled
 
 CATEGORY = "bad inputs tried"
 GUARD = 64
@@ -102,7 +103,7 @@ class Harness:
             cases.append(self.start(kind, room, self.pages(src_free, count),
                                     self.pages(dst_free, count)))
         live = [c for c in cases if c[2] is not None]
-        wait_until(lambda: settled(*(c[2] for c in live)), 60, "every request of a batch")
+        wait_for(lambda: settled(*(c[2] for c in live)), 60, "every request of a batch")
         self.check(cases)
 
     def start(self, kind: str, room: int, src: np.ndarray, dst: np.ndarray):
@@ -203,7 +204,7 @@ class Harness:
             else:
                 self.refused += 1
         # the engine saw exactly the valid chunks, and no byte outside valid requests' pages
-        wait_until(lambda: self.engine_writes() == self.writes, 10, "the engine's count")
+        wait_for(lambda: self.engine_writes() == self.writes, 10, "the engine's count")
         assert self.engine_writes() == self.writes
         valid = np.concatenate(used) if used else np.zeros(0, dtype=np.int64)
         free = np.setdiff1d(np.arange(1, self.limit), valid)
@@ -212,7 +213,7 @@ class Harness:
         reset_pages(pool, valid)
         for _, _, receiver, _ in cases:
             if receiver is not None:
-                wait_until(receiver.can_release, 10, "pages released")
+                wait_for(receiver.can_release, 10, "pages released")
                 self.decode.forget(receiver)
 
 

@@ -1,9 +1,10 @@
 """A frozen decode node delays only its own requests: one prefill node, two decode processes, one
 of them frozen with SIGSTOP in the middle of its transfers. The healthy decode node's p99 request
-latency while the other one is frozen (and the prefill's write into it runs into its timeout) is
-at most 2x its p99 before, on both engines, NIXL also with UCX over TCP (over CMA, NIXL writes a
-stopped process's memory without its help, so its write does not even stall). Every process is
-stopped by the test (SIGCONT before the kill)."""
+latency while the other one is frozen (and the prefill's write into it runs into its timeout)
+exceeds its p99 before, measured in the same run, by less than half the write timeout, on both
+engines, NIXL also with UCX over TCP (over CMA, NIXL writes a stopped process's memory without
+its help, so its write does not even stall). Every process is stopped by the test (SIGCONT before
+the kill)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from dsa_bridge.transfer.launcher.drivers import serve_prefill
 from dsa_bridge.transfer.prefill import PrefillNode
 from tests.faulty import FaultyBackend
 
-from .helpers import SMALL, make_pool, wait_until
+from ..transfer.helpers import wait_for
+from .helpers import SMALL, make_pool
 from .netns import loopback_hosts
 from .procs import Hang, decode, gone, summary
 
@@ -33,7 +35,12 @@ WRITE_TIMEOUT_S = 3.0
 BEFORE = 40  # the healthy node's writes before the freeze (its first 5 requests are not counted)
 HEALTHY_REQUESTS = 2400  # enough to outlast the freeze window on a quiet machine too (NIXL: >60 a second)
 WINDOW_S = 2 * WRITE_TIMEOUT_S + 2.0  # after the freeze: writes into the frozen node time out
-MIN_SAMPLES = 20
+MIN_SAMPLES = 20  # the window lasts until the healthy node had this many writes in it, too
+# A healthy request queued behind a write into the frozen node waits for that write's timeout: the
+# ones queued as it starts, nearly all of WRITE_TIMEOUT_S (on main, before the writer's lanes:
+# 11.6 s against 0.2 s). The other half of the timeout is the margin for the machine's load, which
+# can differ between the two phases (the baseline is measured in the same run, under that load).
+STALL_MARGIN_S = WRITE_TIMEOUT_S / 2
 
 
 class FreezeFirstPeer(FaultyBackend):
@@ -82,15 +89,18 @@ def test_a_frozen_decode_delays_only_its_own_requests(backend, tls, procs, ledge
             victim = decode(procs, LO, backend, node.endpoint, *node_options, "--requests", "5000",
                             "--concurrency", "4", name="victim")
             engine.pid = victim.pid
-            wait_until(lambda: node.counters.snapshot()["requests_ok"] >= 1, 90,
-                       "the victim's first request")
+            wait_for(lambda: node.counters.snapshot()["requests_ok"] >= 1, 90,
+                     "the victim's first request")
             healthy = decode(procs, LO, backend, node.endpoint, *node_options, "--requests",
                              str(HEALTHY_REQUESTS), "--concurrency", "4", name="healthy")
-            wait_until(lambda: engine.other_writes >= BEFORE, 120,
-                       "the healthy decode node's requests before the freeze")
+            wait_for(lambda: engine.other_writes >= BEFORE, 120,
+                     "the healthy decode node's requests before the freeze")
             engine.armed.set()
-            wait_until(lambda: engine.frozen_at, 30, "the victim frozen under a write")
+            wait_for(lambda: engine.frozen_at, 30, "the victim frozen under a write")
+            writes_at_freeze = engine.other_writes
             time.sleep(max(0.0, engine.frozen_at + WINDOW_S - time.monotonic()))
+            wait_for(lambda: engine.other_writes >= writes_at_freeze + MIN_SAMPLES, 120,
+                     "the healthy decode node's writes during the freeze")
             window_end = time.monotonic()
             if healthy.process.poll() is not None:
                 raise AssertionError("the healthy decode node finished before the freeze window "
@@ -113,9 +123,11 @@ def test_a_frozen_decode_delays_only_its_own_requests(backend, tls, procs, ledge
     assert len(before) >= MIN_SAMPLES and len(during) >= MIN_SAMPLES, (len(before), len(during))
     if backend == "mooncake" or tls:  # the write into the frozen node timed out meanwhile
         assert failures_in_window >= 1, counters
-    assert p99(during) <= 2 * p99(before), (
-        f"healthy p99 {p99(during):.3f}s while the other decode was frozen, {p99(before):.3f}s "
-        f"before (max {max(during):.3f}s / {max(before):.3f}s)")
+    report = (f"healthy p99 {p99(during):.3f}s while the other decode was frozen, "
+              f"{p99(before):.3f}s before (max {max(during):.3f}s / {max(before):.3f}s; "
+              f"{len(during)} / {len(before)} requests)")
+    print(f"\n{backend}{'-ucx-' + tls if tls else ''}: {report}")
+    assert p99(during) < p99(before) + STALL_MARGIN_S, report
     assert gone(victim.pid)
     if not gone(healthy.pid):
         raise Hang("the healthy decode process is still present")

@@ -16,7 +16,8 @@ from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.launcher.drivers import count_mismatches
 from dsa_bridge.transfer.request import KVPoll
 
-from .helpers import DEEPSEEK, make_pool, settled, wait_until
+from ..transfer.helpers import wait_for
+from .helpers import DEEPSEEK, make_pool, settled
 from .test_flood import FLOOD_S, flooder, serve
 
 CATEGORY = "faults injected"
@@ -31,22 +32,22 @@ def test_a_decode_that_was_cut_off_recovers(backend, procs, ledger):
     try:
         first = decode.receiver(1)
         first.init(np.arange(1, 5))
-        wait_until(lambda: settled(first), 60, "a request before the freeze")
+        wait_for(lambda: settled(first), 60, "a request before the freeze")
         assert first.poll() == KVPoll.Success
         decode.forget(first)
         node.signal(signal.SIGSTOP)
-        wait_until(lambda: not decode.peers[0].alive, 30, "the decode marking the prefill dead")
+        wait_for(lambda: not decode.peers[0].alive, 30, "the decode marking the prefill dead")
         node.signal(signal.SIGCONT)
         hostile, _ = flooder(procs, node.endpoint, "junk", "--seconds", str(FLOOD_S))
         deadline, room, ok = time.monotonic() + RECOVERY_S, 100, False
         while not ok and time.monotonic() < deadline:
             receiver = decode.receiver(room)
             receiver.init(np.arange(5, 9))
-            wait_until(lambda r=receiver: settled(r), 60, f"room {room}")
+            wait_for(lambda r=receiver: settled(r), 60, f"room {room}")
             ok = receiver.poll() == KVPoll.Success
             if ok:
                 assert count_mismatches(decode.pool, room, np.arange(5, 9)) == 0
-            wait_until(receiver.can_release, 60, f"room {room} releasable")
+            wait_for(receiver.can_release, 60, f"room {room} releasable")
             decode.forget(receiver)
             room += 1
             time.sleep(0.2)

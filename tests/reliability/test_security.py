@@ -26,7 +26,8 @@ from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll
 
 from ..transfer.fake_backend import FakeBackend
-from .helpers import SMALL, make_pool, settled, wait_until
+from ..transfer.helpers import wait_for
+from .helpers import SMALL, make_pool, settled
 
 CATEGORY = "bad inputs tried"
 LAYOUT = DSALayout.from_hf_config(SMALL)
@@ -75,7 +76,7 @@ def serve(prefill: PrefillNode, decode: DecodeNode, room: int, pages: np.ndarray
     sender.send(pages)
     receiver = decode.receiver(room)
     receiver.init(pages)
-    wait_until(lambda: settled(receiver), 20, f"room {room}")
+    wait_for(lambda: settled(receiver), 20, f"room {room}")
     return receiver
 
 
@@ -86,7 +87,7 @@ def test_page_ids_outside_the_announced_buffers_never_reach_the_engine(nodes, pa
     sender.init(len(pages))
     sender.send(np.arange(1, len(pages) + 1))
     receiver = rogue_request(decode, 1, pages)
-    wait_until(lambda: settled(receiver), 20, "the refusal")
+    wait_for(lambda: settled(receiver), 20, "the refusal")
     ledger.record(tried=1, failed=1)
     assert receiver.poll() == KVPoll.Failed
     assert "bad pages: dst_pages" in receiver.state.reason
@@ -129,14 +130,14 @@ def test_a_decode_node_cannot_abort_another_ones_request(nodes, ledger):
     with DecodeNode(make_pool(LAYOUT, PAGES), FakeBackend(), prefill.endpoint) as other:
         receiver = decode.receiver(7)
         receiver.init([1, 2])
-        wait_until(lambda: not prefill.incoming.empty(), 10, "the room at prefill")
+        wait_for(lambda: not prefill.incoming.empty(), 10, "the room at prefill")
         other._loop.send(other.peers[0].socket, protocol.Abort(7, "not mine"))
-        wait_until(lambda: prefill.counters.bad_messages == 1, 10, "the abort dropped")
+        wait_for(lambda: prefill.counters.bad_messages == 1, 10, "the abort dropped")
         fill_request(prefill.pool, 7, np.array([3, 4]))
         sender = prefill.sender(7)
         sender.init(2)
         sender.send([3, 4])
-        wait_until(lambda: settled(receiver), 20, "the request")
+        wait_for(lambda: settled(receiver), 20, "the request")
     ledger.record(tried=1, ok=1)
     assert receiver.poll() == KVPoll.Success
     assert count_mismatches(decode.pool, 7, np.array([1, 2])) == 0
@@ -149,17 +150,17 @@ def test_a_room_announced_twice_fails_before_its_pages_can_be_reused(nodes, ledg
     sender = prefill.sender(3)
     receiver = decode.receiver(3)
     receiver.init([1, 2])
-    wait_until(lambda: receiver.poll() == KVPoll.WaitingForInput and prefill._rooms, 10,
-               "the room at prefill")
+    wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput and prefill._destinations, 10,
+             "the room at prefill")
     decode._loop.send(decode.peers[0].socket, protocol.RequestPages(3, [5, 6], 128))
-    wait_until(lambda: settled(receiver), 10, "the duplicate's verdict")
+    wait_for(lambda: settled(receiver), 10, "the duplicate's verdict")
     assert receiver.poll() == KVPoll.Failed and "duplicate room 3" in receiver.state.reason
-    wait_until(receiver.can_release, 10, "the pages released")
+    wait_for(receiver.can_release, 10, "the pages released")
     reset_pages(decode.pool, np.array([1, 2]))  # reused
     fill_request(prefill.pool, 3, np.array([7, 8]))
     sender.init(2)
     sender.send([7, 8])
-    wait_until(lambda: settled(sender), 10, "the prefill side")
+    wait_for(lambda: settled(sender), 10, "the prefill side")
     ledger.record(tried=1, failed=1)
     assert sender.poll() == KVPoll.Failed and prefill.backend.writes == 0
     assert sentinel_intact(decode.pool, np.array([1, 2, 5, 6]))
@@ -169,7 +170,7 @@ def test_a_room_announced_twice_fails_before_its_pages_can_be_reused(nodes, ledg
 def test_room_ids_outside_63_bits_are_refused(nodes, room, ledger):
     prefill, decode = nodes
     receiver = rogue_request(decode, room, [1])
-    wait_until(lambda: settled(receiver), 10, "the refusal")
+    wait_for(lambda: settled(receiver), 10, "the refusal")
     ledger.record(tried=1, failed=1)
     assert "is not in 0..2**63-1" in receiver.state.reason
     assert prefill.incoming.empty()

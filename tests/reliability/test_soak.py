@@ -19,7 +19,7 @@ import pytest
 
 from dsa_bridge.transfer.backends import BACKENDS
 
-from .helpers import wait_until
+from ..transfer.helpers import wait_for
 from .netns import loopback_hosts
 from .procs import decode, listening, prefill, summary
 
@@ -64,8 +64,8 @@ def soak(backend: str, procs, ledger, tmp_path, *, model: str, requests: int,
     nodes = [decode(procs, LO, backend, server.endpoint, *common, "--pool-tokens",
                     str(64 * pool_pages // 2), "--requests", str(requests), "--concurrency", "8",
                     "--max-tokens", "768", "--seed", str(i), name=f"decode-{i}") for i in range(2)]
-    wait_until(lambda: all(done(n) >= requests // 4 for n in nodes)
-               or any(n.process.poll() is not None for n in nodes), 600, "the warm-up")
+    wait_for(lambda: all(done(n) >= requests // 4 for n in nodes)
+             or any(n.process.poll() is not None for n in nodes), 600, "the warm-up")
     warm = peak = last = usage(server.pid)
     while all(n.process.poll() is None for n in nodes):
         last = usage(server.pid)

@@ -31,7 +31,8 @@ from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll
 
 from ..transfer.fake_backend import FakeBackend
-from .helpers import DEEPSEEK, make_pool, settled, wait_until
+from ..transfer.helpers import wait_for
+from .helpers import DEEPSEEK, make_pool, settled
 from .netns import loopback_hosts
 from .procs import Hang, listening, prefill
 
@@ -175,9 +176,9 @@ def test_malformed_messages_to_a_live_prefill_node(caplog, ledger):
             bad = undecodable(hello, rng) + [protocol.encode(m) for m in valid_messages(hello)[1:]]
             for message in bad:  # before any handshake: valid messages are out of place too
                 client.send(message)
-            wait_until(lambda: node.counters.snapshot()["bad_messages"] == len(bad), 60,
-                       "every malformed message counted")
-            wait_until(lambda: logged_drops(caplog) == len(bad), 10, "every drop logged")
+            wait_for(lambda: node.counters.snapshot()["bad_messages"] == len(bad), 60,
+                     "every malformed message counted")
+            wait_for(lambda: logged_drops(caplog) == len(bad), 10, "every drop logged")
             logged = dropped(caplog)
             assert all(CLEAR.search(line) for line in logged), [x for x in logged if not CLEAR.search(x)][:3]
             client.handshake(hello)  # then as a paired decode node, flipped bytes and all
@@ -194,7 +195,7 @@ def test_malformed_messages_to_a_live_prefill_node(caplog, ledger):
             sender.send([2, 3])
             receiver = decode.receiver(1000)
             receiver.init([4, 5])
-            wait_until(lambda: settled(receiver), 30, "a request after the fuzz")
+            wait_for(lambda: settled(receiver), 30, "a request after the fuzz")
             assert receiver.poll() == KVPoll.Success
             assert count_mismatches(decode.pool, 1000, np.array([4, 5])) == 0
         assert all(CLEAR.search(line) for line in dropped(caplog))
@@ -244,12 +245,12 @@ def test_malformed_messages_to_a_live_decode_node(caplog, ledger):
                     protocol.encode(protocol.RequestPages(9, [1], 64))]
             for message in bad:
                 fake.send(message)
-            wait_until(lambda: node.counters.snapshot()["bad_messages"] == len(bad), 60,
-                       "every malformed message counted")
-            wait_until(lambda: logged_drops(caplog) == len(bad), 10, "every drop logged")
+            wait_for(lambda: node.counters.snapshot()["bad_messages"] == len(bad), 60,
+                     "every malformed message counted")
+            wait_for(lambda: logged_drops(caplog) == len(bad), 10, "every drop logged")
             part = 2 * node.peers[0].page_bytes  # the request's two pages, every buffer
             fake.send(protocol.encode(protocol.ChunkDone(9, 0, ok=True, last=True, nbytes=part)))
-            wait_until(lambda: settled(receiver), 10, "the request after the fuzz")
+            wait_for(lambda: settled(receiver), 10, "the request after the fuzz")
             assert receiver.poll() == KVPoll.Success  # still serving
     finally:
         answering.join(30)
@@ -285,7 +286,7 @@ def test_malformed_messages_to_a_prefill_process(backend, procs, ledger):
     with DecodeNode(make_pool(DEEPSEEK, 16), create_backend(backend), node.endpoint) as decode:
         receiver = decode.receiver(3)
         receiver.init(np.arange(1, 9))
-        wait_until(lambda: settled(receiver), 60, "a request after the fuzz")
+        wait_for(lambda: settled(receiver), 60, "a request after the fuzz")
         lost = count_mismatches(decode.pool, 3, np.arange(1, 9))
     assert node.stop() == 0
     counters, log = node.counters(), node.output()

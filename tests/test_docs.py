@@ -43,7 +43,7 @@ FOREIGN = {
     # SGLang 0.5.23: classes, attributes, files, server flags
     "DSA_TAIL", "HiSparseDSATokenToKVPool", "IndexKeyCache", "PageInterleaveDSATokenToKVPool",
     "attn_dcp_size", "disagg_prefill_dp_rank", "index_put", "prefill_complete",
-    "configs/deepseek_ocr.py", "configs/nano_nemotron_vl.py", "disagg_service.py",
+    "configs/deepseek_ocr.py", "configs/nano_nemotron_vl.py",
     "multimodal/internvl_utils.py",
     "--disaggregation-enable-kv-checksum", "--disaggregation-mode", "--disaggregation-transfer-backend",
     # a Hugging Face model's config file

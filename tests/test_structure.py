@@ -129,3 +129,13 @@ def test_the_transfer_facade_exports_what_a_user_needs():
                                                                           "dsa_bridge.transfer"), name)
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         transfer.Nope  # noqa: B018
+
+
+@pytest.mark.parametrize("name, path", [("PrefillNode", "transfer/prefill/node.py"),
+                                        ("DecodeNode", "transfer/decode/node.py")])
+def test_each_node_class_stays_a_coordinator(name, path):
+    """A node coordinates the units of its package; its concerns live in them (at most 250
+    lines, docs/architecture.md's reading path)."""
+    tree = ast.parse((ROOT / path).read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    assert node.end_lineno - node.lineno + 1 <= 250

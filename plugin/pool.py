@@ -236,6 +236,42 @@ def check_targets(name: str, locs: torch.Tensor, page_size: int) -> None:
         raise ValueError(f"{name} has duplicate locations")
 
 
+def check_request_tokens(name: str, locs: torch.Tensor, page_size: int) -> None:
+    """``locs`` (checked by ``check_token_locs``) must be one request's tokens as a paged
+    allocator lays them out, as SGLang's retraction hands them to ``get_cpu_copy``: position
+    ``i`` at offset ``i % page_size`` of the request's ``i // page_size``-th page — whole pages,
+    each one's tokens in order, then at most one partial page (``seqlen - 1`` tokens); no page
+    twice (so no location twice), none the padding page 0. ValueError naming the first
+    offending position otherwise."""
+    n = locs.numel()
+    if n == 0:
+        return
+    firsts = locs[::page_size]
+    misaligned = torch.nonzero(firsts % page_size).flatten()
+    if misaligned.numel():
+        i = int(misaligned[0]) * page_size
+        raise ValueError(
+            f"{name} must be a request's tokens (each page's tokens in order from offset 0; "
+            f"whole pages but the last): position {i} holds location {int(locs[i])}, at offset "
+            f"{int(locs[i]) % page_size} of its page")
+    offsets = torch.arange(n, device=locs.device) % page_size
+    expected = firsts.repeat_interleave(page_size)[:n] + offsets
+    wrong = torch.nonzero(locs != expected).flatten()
+    if wrong.numel():
+        i = int(wrong[0])
+        raise ValueError(
+            f"{name} must be a request's tokens (each page's tokens in order from offset 0; "
+            f"whole pages but the last): position {i} holds location {int(locs[i])}, expected "
+            f"{int(expected[i])}")
+    pages = firsts // page_size
+    if int(pages.min()) == 0:
+        raise ValueError(f"{name} includes padding page 0")
+    unique, counts = torch.unique(pages, return_counts=True)
+    if unique.numel() != pages.numel():
+        raise ValueError(f"{name} has duplicate locations: page {int(unique[counts > 1][0])} "
+                         "appears twice")
+
+
 @dataclass(frozen=True)
 class CpuCopy:
     """A host copy of some tokens' cache: per layer ``kv[i]`` (n, 1, kv_cache_dim), and per
@@ -575,12 +611,18 @@ class DSATokenToKVPool:
                 scatter(view, snapshot)
 
     def get_cpu_copy(
-        self, token_locs: torch.Tensor, *, chunk_size: int = DEFAULT_CHUNK_TOKENS,
-        out: CpuCopy | None = None,
+        self, token_locs: torch.Tensor, mamba_indices: Any = None, req_pool_index: Any = None, *,
+        chunk_size: int = DEFAULT_CHUNK_TOKENS, out: CpuCopy | None = None,
     ) -> CpuCopy:
         """Host copy of these tokens' KV rows (every layer) and indexer key+scale bytes (every
-        layer that holds an indexer), taken ``chunk_size`` tokens at a time (bounds the
-        device-side temporaries; any positive size).
+        layer that holds an indexer), exactly these tokens' bytes (a partial page's other tokens
+        are not copied), taken ``chunk_size`` tokens at a time (bounds the device-side
+        temporaries; any positive size).
+        ``mamba_indices`` / ``req_pool_index``: SGLang's retraction call form
+        (``get_cpu_copy(token_indices, mamba_indices=..., req_pool_index=...)``), accepted as
+        SGLang's own DSA pool accepts them, and unused: this pool holds no mamba state and no
+        per-request indexer tail (SGLang's reads ``req_pool_index`` only for
+        ``index_kpool_compress``).
         ``out``: a CpuCopy of as many tokens (an earlier result, say), written into and returned
         instead of new host tensors — reused host memory does not pay the page faults of fresh
         memory. Its tensors must be contiguous CPU tensors, apart from each other and the pool."""
@@ -677,11 +719,14 @@ class DSATokenToKVPool:
             _check_apart(spans)
 
     def load_cpu_copy(
-        self, copy: CpuCopy, token_locs: torch.Tensor, *, chunk_size: int = DEFAULT_CHUNK_TOKENS
+        self, copy: CpuCopy, token_locs: torch.Tensor, mamba_indices: Any = None,
+        req_pool_index: Any = None, *, chunk_size: int = DEFAULT_CHUNK_TOKENS,
     ) -> None:
         """Write a ``get_cpu_copy`` result into ``token_locs`` (same count; may differ from the
-        locations it was taken from), every layer (indexer bytes where the pool holds an indexer),
-        chunked (any positive size). Other tokens of a page are untouched."""
+        locations it was taken from; none in padding page 0, none twice), every layer (indexer
+        bytes where the pool holds an indexer), chunked (any positive size). Other tokens of a
+        page are untouched. ``mamba_indices`` / ``req_pool_index``: SGLang's call form, unused
+        (see ``get_cpu_copy``)."""
         self._check_copy(copy)
         locs = self._check_locs("token_locs", token_locs, target=True)
         _check_int("chunk_size", chunk_size, 1)

@@ -14,8 +14,12 @@ guarantees on top:
   this pool as it is;
 - ``move_kv_cache`` checks every location before any write and drops identity pairs (the
   ``(0 <- 0)`` padding of SGLang's speculative-decoding helper);
-- ``get_cpu_copy`` / ``load_cpu_copy`` refuse locations that are not whole pages, in order
-  (SGLang's indexer copy is page-granular and would otherwise copy the wrong tokens silently).
+- ``get_cpu_copy`` / ``load_cpu_copy`` (decode-side retraction) take exactly what SGLang's
+  retraction hands them — a request's first ``seqlen - 1`` token locations: whole pages, then a
+  partial last page — and refuse any other locations (SGLang's indexer copy is by page, from
+  the first location of every ``page_size`` of them, and would copy other tokens' indexer bytes
+  silently); ``load_cpu_copy`` refuses a copy of another shape, dtype or token count before
+  anything is written.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SGLangDSATokenT
 
 from ..descriptors import BufferDescriptor, BufferSet
 from ..layout import DSALayout
-from ..pool import check_targets, check_token_locs, resolve_kv_dtype
+from ..pool import check_request_tokens, check_targets, check_token_locs, resolve_kv_dtype
 
 
 class BridgeDSATokenToKVPool(SGLangDSATokenToKVPool):
@@ -88,29 +92,73 @@ class BridgeDSATokenToKVPool(SGLangDSATokenToKVPool):
         check_targets("tgt_loc", tgt, self.page_size)
         super().move_kv_cache(tgt, src)
 
-    def _whole_pages(self, name: str, indices) -> torch.Tensor:
-        locs = self._locs(name, indices)
-        ps = self.page_size
-        grid = locs.reshape(-1, ps) if locs.numel() % ps == 0 else None
-        if grid is None or not (bool((grid[:, 0] % ps == 0).all())
-                                and bool((grid - grid[:, :1] == torch.arange(ps, device=locs.device)).all())):
-            raise ValueError(f"{name} must be whole pages, each page's {ps} tokens in order "
-                             "(the indexer is copied by page)")
+    def _request_tokens(self, indices) -> torch.Tensor:
+        locs = self._locs("indices", indices)
+        check_request_tokens("indices", locs, self.page_size)
         return locs
 
     def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
-        """SGLang's host copy, ``{"kv": [...], "index_k": [...]}``, of whole pages."""
-        self._whole_pages("indices", indices)
+        """SGLang's host copy, ``{"kv": [...], "index_k": [...]}``, of a request's tokens
+        (``check_request_tokens``: whole pages, then at most one partial page — SGLang's
+        retraction copies a request's first ``seqlen - 1`` tokens). SGLang's semantics: the KV
+        rows of exactly these tokens, chunked by ``cpu_offloading_chunk_size`` tokens; the
+        indexer by whole page rows (``indices[::page_size] // page_size``), a partial last page
+        included — its other positions are the same request's, past its ``seqlen - 1`` tokens
+        (a paged allocator gives a page to one request). ``mamba_indices`` / ``req_pool_index`` are passed
+        on as SGLang's pool takes them (unused by it for a pool without ``index_kpool_compress``,
+        which this class refuses)."""
+        self._request_tokens(indices)
         return super().get_cpu_copy(indices, mamba_indices=mamba_indices, req_pool_index=req_pool_index)
 
     def load_cpu_copy(self, kv_cache_cpu_dict, indices, mamba_indices=None, req_pool_index=None):
-        """SGLang's load of a ``get_cpu_copy`` result into whole pages."""
-        self._whole_pages("indices", indices)
-        if not isinstance(kv_cache_cpu_dict, dict) or not {"kv", "index_k"} <= set(kv_cache_cpu_dict):
-            raise ValueError('kv_cache_cpu_dict must be a get_cpu_copy result: '
-                             '{"kv": [...], "index_k": [...]}')
+        """SGLang's load of a ``get_cpu_copy`` result into a request's tokens (as
+        ``get_cpu_copy`` takes them; none in page 0, none twice; they may be other pages than
+        the copy was taken from, as at SGLang's resume): KV rows by token, indexer page rows
+        whole. The copy is checked first — SGLang's own load asserts chunk by chunk and would
+        have written the earlier ones — so a copy of another token count, layer set, shape or
+        dtype raises ValueError with the pool unchanged."""
+        locs = self._request_tokens(indices)
+        self._check_copy(kv_cache_cpu_dict, locs.numel())
         super().load_cpu_copy(kv_cache_cpu_dict, indices, mamba_indices=mamba_indices,
                               req_pool_index=req_pool_index)
+
+    def _copy_form(self, num_tokens: int) -> dict[str, list[list[tuple[tuple[int, ...], torch.dtype]]]]:
+        """(shape, dtype) of every tensor ``get_cpu_copy`` returns for ``num_tokens`` tokens,
+        per part and layer (a 0-row buffer, SGLang's index-sharing placeholder: no chunks)."""
+        chunk, ps = self.cpu_offloading_chunk_size, self.page_size
+        pages, page_chunk = -(-num_tokens // ps), max(1, chunk // ps)
+
+        def chunks(bufs, count: int, step: int):
+            return [[] if buf.shape[0] == 0 else
+                    [((min(step, count - i), *buf.shape[1:]), buf.dtype) for i in range(0, count, step)]
+                    for buf in bufs]
+
+        return {"kv": chunks(self.kv_buffer, num_tokens, chunk),
+                "index_k": chunks(self.index_k_with_scale_buffer, pages, page_chunk)}
+
+    def _check_copy(self, copy, num_tokens: int) -> None:
+        if not isinstance(copy, dict) or set(copy) != {"kv", "index_k"}:
+            raise ValueError('kv_cache_cpu_dict must be a get_cpu_copy result: '
+                             '{"kv": [...], "index_k": [...]}')
+        first = copy["kv"][0] if isinstance(copy["kv"], list) and copy["kv"] else None
+        if isinstance(first, list) and all(isinstance(t, torch.Tensor) and t.dim() for t in first):
+            taken = sum(t.shape[0] for t in first)  # every layer holds a KV buffer
+            if taken != num_tokens:
+                raise ValueError(f"the copy holds {taken} tokens but indices has {num_tokens}")
+        for part, layers in self._copy_form(num_tokens).items():
+            got = copy[part]
+            if not isinstance(got, list) or len(got) != len(layers):
+                raise ValueError(f'kv_cache_cpu_dict["{part}"] must be a list of {len(layers)} layers')
+            for i, (want, have) in enumerate(zip(layers, got, strict=True)):
+                if not isinstance(have, list) or len(have) != len(want):
+                    raise ValueError(f'kv_cache_cpu_dict["{part}"][{i}] must be a list of {len(want)} '
+                                     "chunks (that layer of this pool's copy)")
+                for j, ((shape, dtype), t) in enumerate(zip(want, have, strict=True)):
+                    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+                        form = (f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor)
+                                else type(t).__name__)
+                        raise ValueError(f'kv_cache_cpu_dict["{part}"][{i}][{j}] is {form}, '
+                                         f"expected {shape} {dtype}")
 
 
 BridgeDSATokenToKVPool.__init__.__signature__ = inspect.signature(SGLangDSATokenToKVPool.__init__)

@@ -2,7 +2,9 @@
 
 SGLang's own ``setup_state_kv_args`` over SGLang's pool, over dsa-bridge's subclass and (the bug
 of issue 11) over dsa-bridge's own pool; SGLang's accessors on the subclass; the subclass's
-checked token operations, SGLang's copy format, and SGLang's 0-row compact form normalised."""
+checked token operations — host copies of a request's tokens (a partial last page included) in
+SGLang's call form and copy format, other locations and copies of another shape refused with
+the pool unchanged — and SGLang's 0-row compact form normalised."""
 
 from __future__ import annotations
 
@@ -173,16 +175,86 @@ def test_cpu_copy_in_sglang_call_form_and_format_round_trips():
             assert torch.equal(a[1:3], b[1:3])
 
 
-@pytest.mark.parametrize("locs", [list(range(64, 100)), list(range(65, 129)), list(range(127, 63, -1))])
-def test_cpu_copy_refuses_locations_that_are_not_whole_pages(locs):
+def test_cpu_copy_of_a_partial_last_page_in_sglang_call_form_round_trips():
+    """A request's first seqlen - 1 tokens (page 1 whole, 36 tokens of page 3): KV rows by
+    token, the indexer by whole page rows (SGLang's semantics; tests/sglang/test_sglang_retraction.py
+    drives it through SGLang's own retraction)."""
     pool = BridgeDSATokenToKVPool(**DSV32)
-    with pytest.raises(ValueError, match="indices must be whole pages"):
-        pool.get_cpu_copy(torch.tensor(locs))
-    with pytest.raises(ValueError, match="indices must be whole pages"):
-        pool.load_cpu_copy({"kv": [], "index_k": []}, torch.tensor(locs))
+    fill(pool)
+    locs = torch.cat([torch.arange(64, 128), torch.arange(192, 228)]).to(torch.int32)
+    copy = pool.get_cpu_copy(locs, mamba_indices=None, req_pool_index=1)
+    assert torch.equal(torch.cat(copy["index_k"][3]), pool.index_k_with_scale_buffer[3][[1, 3]])
+    expected = [t.clone() for t in [*pool.kv_buffer, *pool.index_k_with_scale_buffer]]
+    for t in [*pool.kv_buffer, *pool.index_k_with_scale_buffer]:
+        t.view(torch.uint8).fill_(0xAB)
+    pool.load_cpu_copy(copy, locs, mamba_indices=None, req_pool_index=1)
+    for a, b in zip(expected, [*pool.kv_buffer, *pool.index_k_with_scale_buffer], strict=True):
+        rows = locs.long() if a.dim() == 3 else torch.tensor([1, 3])
+        assert torch.equal(a[rows], b[rows])
+        rest = torch.ones(b.shape[0], dtype=torch.bool)
+        rest[rows] = False
+        assert (b[rest].view(torch.uint8) == 0xAB).all()
 
 
-def test_load_cpu_copy_refuses_what_is_not_a_copy():
+REQUEST = list(range(64, 128)) + list(range(192, 200))  # page 1 whole, 8 tokens of page 3
+
+
+@pytest.mark.parametrize(("locs", "message"), [
+    (list(range(65, 129)), "position 0 holds location 65, at offset 1 of its page"),
+    (list(range(127, 63, -1)), "position 0 holds location 127, at offset 63"),
+    ([64, 66, 65], "position 1 holds location 66, expected 65"),
+    (list(range(64, 100)) + [130], "position 36 holds location 130, expected 100"),
+    (list(range(0, 70)), "includes padding page 0"),
+    (list(range(64, 128)) + list(range(64, 70)), "duplicate locations: page 1 appears twice"),
+    (list(range(256, 330)), "indices out of range: location 329"),
+])
+def test_cpu_copy_refuses_locations_that_are_not_a_requests_tokens(locs, message):
     pool = BridgeDSATokenToKVPool(**DSV32)
-    with pytest.raises(ValueError, match="must be a get_cpu_copy result"):
-        pool.load_cpu_copy({"kv": []}, torch.arange(64, 128))
+    fill(pool)
+    good = pool.get_cpu_copy(torch.tensor(REQUEST))
+    before = [t.clone() for t in [*pool.kv_buffer, *pool.index_k_with_scale_buffer]]
+    with pytest.raises(ValueError, match=message):
+        pool.get_cpu_copy(torch.tensor(locs), mamba_indices=None, req_pool_index=0)
+    with pytest.raises(ValueError, match=message):
+        pool.load_cpu_copy(good, torch.tensor(locs), mamba_indices=None, req_pool_index=0)
+    assert all(torch.equal(a, b) for a, b in zip(before, [*pool.kv_buffer, *pool.index_k_with_scale_buffer],
+                                                 strict=True))
+
+
+def replaced(copy: dict, part: str, layer: int, chunk: int, tensor) -> dict:
+    out = {k: [list(layer_chunks) for layer_chunks in v] for k, v in copy.items()}
+    out[part][layer][chunk] = tensor
+    return out
+
+
+def other_pool_copy(**changes):
+    other = BridgeDSATokenToKVPool(**{**DSV32, **changes})
+    fill(other)
+    return other.get_cpu_copy(torch.tensor(REQUEST))
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda c: {"kv": c["kv"]}, "must be a get_cpu_copy result"),
+    (lambda c: {**c, "tail_k": []}, "must be a get_cpu_copy result"),
+    (lambda c: [c["kv"], c["index_k"]], "must be a get_cpu_copy result"),
+    (lambda c: replaced(c, "kv", 0, 0, c["kv"][0][0][:-1]), "the copy holds 71 tokens but indices has 72"),
+    (lambda c: replaced(c, "kv", 2, 0, c["kv"][2][0][:-1]), r'\["kv"\]\[2\]\[0\] is \(71, 1, 656\)'),
+    (lambda c: replaced(c, "kv", 1, 0, c["kv"][1][0].view(torch.int8)), "torch.int8, expected"),
+    (lambda c: replaced(c, "index_k", 3, 0, c["index_k"][3][0][:1]),
+     r'\["index_k"\]\[3\]\[0\] is \(1, 8448\)'),
+    (lambda c: {**c, "index_k": c["index_k"][:3]}, r'\["index_k"\] must be a list of 4 layers'),
+    (lambda c: other_pool_copy(dtype=torch.bfloat16, kv_cache_dim=576),
+     r'\["kv"\]\[0\]\[0\] is \(72, 1, 576\)'),
+    (lambda c: other_pool_copy(skip_topk_layers=[False, True, True, False]),
+     r'\["index_k"\]\[1\] must be a list of 1 chunks'),
+])
+def test_load_cpu_copy_refuses_a_copy_of_another_shape_before_any_write(make, message):
+    pool = BridgeDSATokenToKVPool(**DSV32)
+    fill(pool)
+    copy = make(pool.get_cpu_copy(torch.tensor(REQUEST)))
+    fill(pool, seed=2)
+    before = [t.clone() for t in [*pool.kv_buffer, *pool.index_k_with_scale_buffer]]
+    with pytest.raises(ValueError, match=message):
+        pool.load_cpu_copy(copy, torch.tensor(REQUEST), mamba_indices=None, req_pool_index=0)
+    assert all(torch.equal(a, b) for a, b in zip(before, [*pool.kv_buffer, *pool.index_k_with_scale_buffer],
+                                                 strict=True))

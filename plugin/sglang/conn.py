@@ -28,7 +28,20 @@ deadlines, KVPoll states):
 - ``DSABridgeKVReceiver``: ``init(prefill_dp_rank)`` (connects to that prefill; a refused
   handshake fails the request, with the reason), ``send_metadata(kv_indices, aux_index,
   state_indices, decode_prefix_len, destination)``, ``poll()`` (Failed, with the reason, once
-  its prefill is refused), ``failure_exception()``, ``abort()``, ``clear()``.
+  its prefill is refused), ``failure_exception()`` (sglang's ``KVTransferError``; a checksum
+  failure in sglang's words, "KV checksum mismatch"), ``abort()``, ``ensure_abort_notified()``,
+  ``clear()``.
+
+sglang's deferred decode release (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``, on by
+default) is answered by dsa-bridge's fence: the manager supports it, ``register_deferred_abort_room``
+arms a room, ``is_abort_release_safe(room, required_acks)`` is the fence's ``can_release`` for that
+room's request, so sglang holds a failed request's pages exactly as long as the fence does. sglang
+releases a held page at its own deadline (``..._TIMEOUT``) even unproven, and at once with
+deferral off: a release the fence had not allowed (``clear_deferred_abort_state`` or ``clear``
+while ``can_release`` is False) is counted (``forced_releases``) and logged. A cleared request
+leaves its ``DecodeNode`` once its fence lifts (``forget_released``, run from sglang's next call
+into the manager). ``--disaggregation-enable-kv-checksum`` turns dsa-bridge's checksums on in both
+nodes.
 - ``DSABridgeKVBootstrapServer``: sglang's own HTTP registry (``CommonKVBootstrapServer``, the
   routes its decode calls), so prefill ranks of either connector register there.
 
@@ -42,6 +55,7 @@ radix-cache prefix.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import logging
 import threading
@@ -58,16 +72,21 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferDestination,
     KVTransferMetric,
 )
-from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer, PrefillServerInfo
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVBootstrapServer,
+    KVTransferError,
+    PrefillServerInfo,
+)
 from sglang.srt.disaggregation.pp_consensus_store import PPConsensusStore
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_disagg, get_parallel, get_serving
 from sglang.srt.utils.network import NetworkAddress, get_local_ip_auto
 
+from ...plugin.descriptors import BufferDescriptor, BufferSet
 from ...transfer import auth
 from ...transfer.backends import create_backend
-from ...transfer.decode import DecodeNode
+from ...transfer.decode import DecodeNode, KVReceiver
 from ...transfer.handshake import HandshakeError
 from ...transfer.prefill import PrefillNode
 from .kvargs import bridge_buffers, dsa_problem
@@ -83,6 +102,11 @@ BACKOFF_FIRST_S = 1.0  # after a prefill's first failed connection; doubling per
 BACKOFF_MAX_S = 30.0  # ...up to this
 STAGE_REPORT_S = 0.005  # how often a later pipeline stage reports its senders' statuses to stage 0
 TERMINAL = (KVPoll.Failed, KVPoll.Success)
+# decode's fence (DecodeNode): a failed engine write's bytes may land for IN_FLIGHT_GRACE_S after
+# prefill reports it; pages on a silent prefill are held up to QUARANTINE_TIMEOUT_S
+IN_FLIGHT_GRACE_S = 35.0
+QUARANTINE_TIMEOUT_S = 600.0
+DEFERRED_RELEASE_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 
 
 def sglang_class(backend: str, role: str) -> type:
@@ -142,6 +166,40 @@ def pairing_problems(info: PrefillServerInfo, *, page_size: int, kv_cache_dtype:
     return problems
 
 
+class _DeviceBytes:
+    """``nbytes`` of GPU memory at ``ptr``, as torch reads a foreign CUDA array."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3}
+
+
+class PagedBuffers:
+    """sglang's buffers as the pool a dsa-bridge node takes: the validated descriptors (a
+    ``BufferSet``) and, for the checksums, each buffer's pages as a uint8 view of sglang's memory
+    (``page_view``), made from its pointer on ``device``."""
+
+    def __init__(self, buffers: BufferSet, device: str):
+        self.layout = buffers.layout
+        self.device = device
+        self._buffers = buffers
+        self._by_key = {(d.layer_id, d.kind): d for d in buffers.buffer_descriptors()}
+
+    def buffer_descriptors(self) -> list[BufferDescriptor]:
+        return self._buffers.buffer_descriptors()
+
+    def page_view(self, layer_id: int, kind: str):
+        """uint8 (pages, page bytes) view of the buffer of ``(layer_id, kind)``, sharing its memory."""
+        import torch
+
+        d = self._by_key[(layer_id, kind)]
+        if self.device == "cpu":
+            raw = torch.frombuffer((ctypes.c_uint8 * d.nbytes).from_address(d.ptr), dtype=torch.uint8)
+        else:
+            raw = torch.as_tensor(_DeviceBytes(d.ptr, d.nbytes), device=self.device)
+        return raw.view(d.nbytes // d.item_len, d.item_len)
+
+
 @dataclass(frozen=True)
 class PeerBackoff:
     """Why connecting to a prefill (DP group) last failed, and when to try again: ``BACKOFF_FIRST_S``
@@ -161,6 +219,10 @@ class PeerBackoff:
 
 class DSABridgeKVManager(BaseKVManager):
     """One scheduler rank's transfer: a dsa-bridge node over the rank's KVArgs (module docstring)."""
+
+    # sglang holds a failed request's decode pages until ``is_abort_release_safe``: answered by
+    # dsa-bridge's fence (``KVReceiver.can_release``), not by an ack count
+    supports_deferred_decode_kv_release = True
 
     def __new__(cls, args, disaggregation_mode, server_args, is_mla_backend=False, **kwargs):
         problem = dsa_problem(args)
@@ -194,7 +256,17 @@ class DSABridgeKVManager(BaseKVManager):
         start = (getattr(args, "prefill_start_layer", 0) or 0) if prefill else 0
         device = "cpu" if getattr(args, "gpu_id", None) is None or not _cuda() else f"cuda:{args.gpu_id}"
         self.bridge = bridge_buffers(args, start_layer=start, stages=self.pp_size, device=device)
+        self.pool = PagedBuffers(self.bridge.buffers, device)  # what the nodes take as their pool
         self.secret = auth.load_secret()  # DSA_BRIDGE_SECRET, the same on prefill and decode
+        self.checksums = bool(get_disagg().disaggregation_enable_kv_checksum)  # both sides' flag
+        self.enable_deferred_decode_kv_release = bool(
+            envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get()
+            and self.supports_deferred_decode_kv_release)
+        self.forced_releases = 0  # pages sglang released while the fence still held them
+        self._abort_generation = 0  # sglang's wire id of a held room's abort (kept, not sent)
+        self._armed: dict[int, int] = {}  # room -> generation, while sglang holds its pages
+        self._live: dict[int, DSABridgeKVReceiver] = {}  # room -> receiver with a dsa-bridge request
+        self._unreleased: list[tuple[DecodeNode, KVReceiver]] = []  # cleared, fence still up
         self.clock = time.monotonic  # the backoff's clock
         self._lock = threading.Lock()
         self.node: PrefillNode | None = None
@@ -216,16 +288,18 @@ class DSABridgeKVManager(BaseKVManager):
                     f"sglang's detection), which is not a loopback address: set {auth.SECRET_ENV} to "
                     "the same secret on prefill and decode") from None
             self.node = PrefillNode(
-                self.bridge.buffers, create_backend(self.backend, host=self.local_ip),
+                self.pool, create_backend(self.backend, host=self.local_ip),
                 listen=f"{self.local_ip}:0", name=name, aux_buffers=self.bridge.aux,
                 request_timeout_s=float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()),
-                secret=self.secret)
+                secret=self.secret, checksums=self.checksums)
             self.register_to_bootstrap()
             if self.pp_size > 1:
                 self._start_stage_consensus(parallel.pp_group)
-        log.info("dsa-bridge: %s manager over %d layers (%s indexer layout), backend %s",
-                 disaggregation_mode.value, self.bridge.layout.num_layers,
-                 self.bridge.layout.indexer_layout, self.backend)
+        else:
+            self._log_release_bounds()
+        log.info("dsa-bridge: %s manager over %d layers (%s indexer layout), backend %s, "
+                 "checksums %s", disaggregation_mode.value, self.bridge.layout.num_layers,
+                 self.bridge.layout.indexer_layout, self.backend, "on" if self.checksums else "off")
 
     # ---- prefill: the bootstrap registration -------------------------------------------------
     def register_to_bootstrap(self) -> None:
@@ -401,10 +475,97 @@ class DSABridgeKVManager(BaseKVManager):
     def _connect(self, bootstrap_addr: str, dp_rank: int) -> DecodeNode:
         stages = self.prefill_info_table[bootstrap_addr].pp_size
         endpoints = [self._rank_endpoint(bootstrap_addr, dp_rank, p) for p in range(stages)]
-        return DecodeNode(self.bridge.buffers, create_backend(self.backend, host=self.local_ip),
+        return DecodeNode(self.pool, create_backend(self.backend, host=self.local_ip),
                           endpoints, name=f"decode-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}",
                           request_timeout_s=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()),
-                          aux_buffers=self.bridge.aux, secret=self.secret)
+                          in_flight_grace_s=IN_FLIGHT_GRACE_S, quarantine_timeout_s=QUARANTINE_TIMEOUT_S,
+                          aux_buffers=self.bridge.aux, secret=self.secret, checksums=self.checksums)
+
+    # ---- decode: sglang's deferred release, answered by the fence ----------------------------
+    def _log_release_bounds(self) -> None:
+        """Say once, at start-up, how sglang's release of a failed request's pages meets the fence."""
+        if not self.enable_deferred_decode_kv_release:
+            log.warning("dsa-bridge: %s is off: sglang frees a failed request's decode pages at once, "
+                        "while a prefill write into them may still land (into the next request's "
+                        "KV); dsa-bridge can only count and log each such release (forced_releases). "
+                        "Unset it to keep the pages until dsa-bridge's fence lets them go",
+                        DEFERRED_RELEASE_ENV)
+            return
+        timeout = float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get())
+        if timeout < QUARANTINE_TIMEOUT_S:
+            log.info("dsa-bridge: sglang releases a held decode destination after %s_TIMEOUT=%.0fs "
+                     "even unproven; dsa-bridge's fence may hold one up to %.0fs (a failed write: %.0fs "
+                     "after prefill's report; a silent prefill: until it is proven gone). A release "
+                     "before the fence lifts is counted (forced_releases) and logged",
+                     DEFERRED_RELEASE_ENV, timeout, QUARANTINE_TIMEOUT_S, IN_FLIGHT_GRACE_S)
+
+    def register_deferred_abort_room(self, bootstrap_room: int) -> int:
+        """sglang holds ``bootstrap_room``'s pages from now on (its receiver's abort notification,
+        which dsa-bridge's receiver sends as its own ``Abort``); returns the generation, as
+        sglang's managers do."""
+        self._abort_generation += 1
+        self._armed[bootstrap_room] = self._abort_generation
+        return self._abort_generation
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """True exactly when dsa-bridge's fence lets the room's pages go (``can_release``): no
+        prefill write into them can still land. A room without a dsa-bridge request (never asked
+        of a prefill, or already released) is safe. ``required_acks`` (sglang's count of prefill
+        ranks to ack) is not needed: the fence covers every prefill rank of the request."""
+        self.forget_released()
+        receiver = self._live.get(bootstrap_room)
+        return receiver is None or receiver.can_release()
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        """sglang's ``_do_release`` is releasing the room's pages (drained, or at its deadline):
+        a release while the fence still holds them is forced, counted and logged."""
+        self._armed.pop(bootstrap_room, None)
+        receiver = self._live.get(bootstrap_room)
+        if receiver is not None and not receiver.can_release():
+            receiver.release_forced(
+                f"at sglang's deferred-release deadline ({DEFERRED_RELEASE_ENV}_TIMEOUT="
+                f"{float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()):g}s)")
+
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        """Whether sglang's own digest from the prefill at ``bootstrap_addr`` covers the bytes this
+        rank holds: True for a prefill dsa-bridge paired with (the same attention-TP width, so
+        the same pages; another layout is told apart by sglang's own layout signature)."""
+        return bootstrap_addr in self.prefill_info_table
+
+    def count_forced_release(self, room: int, how: str) -> None:
+        self.forced_releases += 1
+        log.warning("dsa-bridge: room %s: sglang released its decode pages %s while dsa-bridge's "
+                    "fence still held them: a prefill write may land in them (%d such release(s))",
+                    room, how, self.forced_releases)
+
+    def track(self, receiver: DSABridgeKVReceiver) -> None:
+        """``receiver`` has a dsa-bridge request: its fence answers for its room."""
+        self._live[receiver.bootstrap_room] = receiver
+
+    def untrack(self, receiver: DSABridgeKVReceiver, node: DecodeNode, request: KVReceiver) -> None:
+        """sglang is done with ``receiver``: its request leaves the node now if the fence lets it,
+        else once it does (``forget_released``)."""
+        if self._live.get(receiver.bootstrap_room) is receiver:
+            del self._live[receiver.bootstrap_room]
+        self._unreleased.append((node, request))
+        self.forget_released()
+
+    def forget_released(self) -> None:
+        """Remove from their nodes the cleared requests whose fence has lifted. Called from
+        sglang's own calls on the scheduler thread (polls, clears, release checks), so no thread
+        of its own; the list is bounded by the fence's own bound (``QUARANTINE_TIMEOUT_S``)."""
+        held = []
+        for node, request in self._unreleased:
+            if request.can_release():
+                node.forget(request)
+            else:
+                held.append((node, request))
+        self._unreleased = held
+
+    @property
+    def unreleased_receivers(self) -> int:
+        """Requests sglang cleared whose fence still holds their pages (not yet forgotten)."""
+        return len(self._unreleased)
 
     def shutdown(self) -> None:
         """Close the nodes (and their engines) and the stages' consensus."""
@@ -426,14 +587,27 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+class BridgeTransferError(KVTransferError, RuntimeError):
+    """A failed request, as sglang's own managers raise it (``failure_reason`` is what sglang's
+    decode records and aborts the request with)."""
+
+
+CHECKSUM_MISMATCH = "KV checksum mismatch"  # sglang's own words for it (decode.py, the abort)
+
+
+def failure_reason(reason: str) -> str:
+    """``reason`` as sglang reads it: a checksum failure starts with sglang's own words."""
+    return f"{CHECKSUM_MISMATCH} (dsa-bridge): {reason}" if "checksum" in reason else reason
+
+
 class _Failed:
     """A request that failed before a dsa-bridge request existed for it."""
 
     def __init__(self, room: int, reason: str):
         self.room, self.reason = room, reason
 
-    def exception(self) -> RuntimeError:
-        return RuntimeError(f"room {self.room}: {self.reason}")
+    def exception(self) -> BridgeTransferError:
+        return BridgeTransferError(self.room, f"room {self.room}: {self.reason}")
 
 
 class DSABridgeKVSender(BaseKVSender):
@@ -546,10 +720,13 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         self.bootstrap_room = bootstrap_room
         self.conclude_state = None
         self.require_staging = False
+        self.abort_notified = False  # sglang's: the prefill was told to stop (``ensure_abort_notified``)
+        self.bootstrap_infos: list[str] | None = None  # the prefill ranks that may write (endpoints)
         self._node: DecodeNode | None = None
-        self._receiver = None
+        self._receiver: KVReceiver | None = None
         self._metadata_sent = False
         self._failed: _Failed | None = None
+        self._forced = False  # a forced release of its pages was counted
 
     def _fail(self, reason: str, *, logged: bool = False) -> None:
         """Fail the request; ``logged`` when the manager already logged the reason (once for
@@ -567,10 +744,14 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         except (HandshakeError, RuntimeError, ValueError, OSError) as exc:
             self._fail(f"prefill {self.bootstrap_addr} (dp {prefill_dp_rank}): {exc}", logged=True)
             return
+        self.kv_mgr.forget_released()  # a room of a cleared request may be free again
         try:
             self._receiver = self._node.receiver(self.bootstrap_room)
         except ValueError as exc:
             self._fail(f"prefill {self.bootstrap_addr} (dp {prefill_dp_rank}): {exc}")
+            return
+        self.bootstrap_infos = [peer.endpoint for peer in self._receiver.peers]
+        self.kv_mgr.track(self)
 
     def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None,
                       destination=KVTransferDestination.DEVICE) -> None:
@@ -596,6 +777,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         self._metadata_sent = True
 
     def poll(self) -> KVPoll:
+        self.kv_mgr.forget_released()
         if self._failed is None and self._receiver is None:
             refusal = self.kv_mgr.refusal(self.bootstrap_addr)
             if refusal is not None:  # sglang's queue never calls init for a refused prefill
@@ -613,14 +795,52 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         if self._failed is not None:
             raise self._failed.exception()
         exc = self._receiver.failure_exception() if self._receiver is not None else None
-        raise exc or RuntimeError(f"room {self.bootstrap_room}: not failed (status {self.poll()})")
+        if exc is None:
+            raise RuntimeError(f"room {self.bootstrap_room}: not failed (status {self.poll()})")
+        raise BridgeTransferError(self.bootstrap_room, failure_reason(str(exc))) from exc
 
     def abort(self) -> None:
+        """sglang's abort (a client's, or its own): fail the request and tell the prefill."""
         self._fail("aborted by sglang")
+        self.ensure_abort_notified()
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """Tell the prefill ranks to stop writing, once, and arm sglang's hold of the pages (once
+        the pages were sent, or ``force_arm``), as sglang's own receivers do. Without a
+        dsa-bridge request (``bootstrap_infos`` None) nothing can write: nothing to notify, and
+        sglang releases at once. The recorded failure reason is kept."""
+        if self.abort_notified or self.bootstrap_infos is None or self._receiver is None:
+            return
+        if self.kv_mgr.enable_deferred_decode_kv_release and (force_arm or self._metadata_sent):
+            self.kv_mgr.register_deferred_abort_room(self.bootstrap_room)
+        self._receiver.abort("aborted by sglang")  # dsa-bridge's Abort (a no-op once failed)
+        self.abort_notified = True
+
+    def can_release(self) -> bool:
+        """Whether the request's pages may go back to sglang's allocator (the fence)."""
+        return self._receiver is None or self._receiver.can_release()
+
+    def release_forced(self, how: str) -> None:
+        """sglang releases the pages while the fence holds them: count it once (the manager)."""
+        if not self._forced:
+            self._forced = True
+            self.kv_mgr.count_forced_release(self.bootstrap_room, how)
 
     def clear(self) -> None:
-        if self._receiver is not None and self._receiver.can_release():
-            self._node.forget(self._receiver)
+        """sglang is done with the request and its pages are going back to its allocator (every
+        call site of sglang 0.5.23 releases them with it). A request still running is aborted;
+        one whose fence still holds is a forced release (counted); the request leaves the node
+        once its fence lifts."""
+        if self._receiver is None:
+            return
+        if self._receiver.poll() not in TERMINAL:
+            self._receiver.abort("cleared by sglang")
+        if not self._receiver.can_release():
+            self.release_forced(f"at once ({DEFERRED_RELEASE_ENV} off)"
+                                if not self.kv_mgr.enable_deferred_decode_kv_release
+                                else "without holding them until the fence lifted")
+        self.kv_mgr.untrack(self, self._node, self._receiver)
+        self._receiver = None
 
 
 class DSABridgeKVBootstrapServer(CommonKVBootstrapServer):

@@ -21,6 +21,7 @@ what prefill wrote.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -175,7 +176,8 @@ def run_prefill(cfg: dict, server_args, groups=None) -> dict:
     pool, metadata = make_pool(cfg, bridge=cfg.get("bridge_pool", False)), metadata_buffers()
     stand_in = scheduler_stand_in(cfg, server_args, pool, metadata, "prefill")
     stand_in.pp_rank = cfg.get("pp_rank", 0)
-    manager = PrefillBootstrapQueue._init_kv_manager(stand_in)
+    with faulty_engine(cfg.get("fault")):
+        manager = PrefillBootstrapQueue._init_kv_manager(stand_in)
     result = {"manager": type(manager).__qualname__, "server": type(server).__qualname__,
               "layers": manager.bridge.kv_layer_ids,
               "state_layer_ids": manager.kv_args.state_layer_ids,
@@ -210,12 +212,33 @@ def run_prefill(cfg: dict, server_args, groups=None) -> dict:
     sender.send(src[:half], None)
     sender.send(src[half:], [src])  # sglang's DSA state indices: the request's pages, last chunk
     wait_for(lambda: sender.poll() in (KVPoll.Success, KVPoll.Failed), 60, "prefill end")
-    result.update(poll=int(sender.poll()), bytes=manager.node.counters.snapshot()["bytes"])
+    counters = manager.node.counters.snapshot()
+    result.update(poll=int(sender.poll()), bytes=counters["bytes"],
+                  checksums_computed=counters.get("checksums_computed", 0),
+                  node_checksums=manager.node.checksums)
     if sender.poll() == KVPoll.Success:
         sender.clear()  # sglang's inflight queue, on Success
     manager.shutdown()
     close(server)
     return result
+
+
+@contextlib.contextmanager
+def faulty_engine(fault: dict | None):
+    """The manager's engine wrapped in ``tests/faulty.py``'s fault injection (``fault``: its
+    environment variables), while the manager is made."""
+    if not fault:
+        yield
+        return
+    from dsa_bridge.plugin.sglang import conn
+    from tests.faulty import wrap_from_env
+
+    real = conn.create_backend
+    conn.create_backend = lambda *args, **kwargs: wrap_from_env(real(*args, **kwargs), environ=fault)
+    try:
+        yield
+    finally:
+        conn.create_backend = real
 
 
 def close(server) -> None:
@@ -294,7 +317,8 @@ def main() -> None:
     for cfg in configs:
         with shims.published_context(disaggregation_mode=role, disaggregation_transfer_backend=cfg["engine"],
                                      disaggregation_bootstrap_port=cfg["port"], host="127.0.0.1",
-                                     pp_size=cfg.get("pp_size", 1)) as args:
+                                     pp_size=cfg.get("pp_size", 1),
+                                     disaggregation_enable_kv_checksum=cfg.get("checksum", False)) as args:
             if role == "prefill":
                 groups = stage_groups(cfg) if cfg.get("pp_size", 1) > 1 else None
                 results.append(run_prefill(cfg, args, groups))

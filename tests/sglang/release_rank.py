@@ -1,0 +1,188 @@
+"""One sglang decode rank whose failed requests go through sglang's own deferred-release code, for
+``test_sglang_release.py``, in its own process: ``python -m tests.sglang.release_rank release
+CONFIGS_JSON`` runs each scenario in turn and prints one ``RESULT [json, ...]`` line.
+
+The queue is a real ``DecodeTransferQueue`` whose attributes are set as its ``__init__`` sets them
+(the deferral flag and timeout from sglang's own environment variables; its constructor needs a
+scheduler): its gloo group a real one-rank torch.distributed group, its metadata buffers and
+index allocator sglang's own. Its manager comes from sglang's own
+``DecodePreallocQueue._init_kv_manager`` (the hooked ``get_kv_class``: dsa-bridge's), its requests
+are sglang's ``Req``. Stand-ins: ``_release_request`` (sglang's frees the pages through the radix
+tree) records when sglang releases a request's pages, what dsa-bridge's fence said then, and gives
+the pages to a "new owner" (refilled with another sentinel); the scheduler's output streamer and
+tree cache are no-ops.
+
+Per scenario, as sglang's queues call it: receiver, ``try_ensure_parallel_info``, ``init``,
+``send_metadata`` (prealloc queue); ``add`` to the transfer queue; then the scheduler's abort of a
+transfer-queue request (``kv_receiver.abort()``, scheduler.py ~5780) once prefill's write is half
+landed (the prefill holds every write in flight ``DSA_BRIDGE_FAULT_WRITE_DELAY_MS``), or, for a
+corrupted page, nothing; then each step ``pop_transferred`` and ``resolve_deferred_releases``
+(decode.py ~2835-2975, ~3046-3110), asking sglang's question ``is_abort_release_safe`` beside
+them, until the pages are released and the prefill's write window is over.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import tests.sglang.conftest as shims  # noqa: F401  (the shims, before sglang)
+from tests.sglang import pd_rank
+from tests.sglang.prealloc_rank import make_req
+from tests.transfer.helpers import wait_for
+
+NEW_OWNER = 0x3C  # the bytes a new request writes into pages sglang released
+ENV = ("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE",
+       "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT")
+
+
+class Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def transfer_queue(manager, metadata, group, released: list):
+    """A real ``DecodeTransferQueue`` with the attributes its ``__init__`` would set."""
+    from sglang.srt.disaggregation.decode import DecodeTransferQueue
+    from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
+    from sglang.srt.environ import envs
+
+    queue = object.__new__(DecodeTransferQueue)
+    scheduler = SimpleNamespace(
+        enable_decode_hicache=False, spec_algorithm=None, kv_checksum_computer=None,
+        metrics_reporter=SimpleNamespace(enable_metrics=False),
+        output_streamer=SimpleNamespace(stream_output=lambda reqs, logprob: None))
+    queue.__dict__.update(
+        queue=[], gloo_group=group, req_to_metadata_buffer_idx_allocator=ReqToMetadataIdxAllocator(8),
+        tp_rank=0, metadata_buffers=metadata, scheduler=scheduler, enable_host_receive=False,
+        tree_cache=SimpleNamespace(unlock=lambda lock: None), spec_algorithm=None,
+        _skipped_checksum_signatures=set(), enable_staging=False, staging_handler=None,
+        enable_deferred_kv_release=envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get(),
+        deferred_kv_release_timeout=envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get(),
+        _deferred_releases=[])
+
+    def release_request(decode_req) -> None:  # stands in for sglang's (radix tree) release
+        released.append({"at": time.monotonic(), "fence": decode_req.kv_receiver.can_release()})
+
+    queue._release_request = release_request
+    return queue
+
+
+def landed(pool, cfg: dict, expected) -> int:
+    """How many (buffer, page) pairs of the request's destination hold prefill's bytes."""
+    got, want = pd_rank.views(pool), pd_rank.views(expected)
+    return sum(bool((got[k][d] == want[k][s]).all()) for k in got
+               for d, s in zip(cfg["dst_pages"], cfg["src_pages"], strict=True))
+
+
+def run(cfg: dict, server_args, group, warnings: Warnings) -> dict:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeRequest
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    for name, value in zip(ENV, cfg["env"], strict=True):
+        os.environ[name] = value
+    warnings.messages.clear()
+    pool, metadata = pd_rank.make_pool(cfg, bridge=True), pd_rank.metadata_buffers()
+    for view in [*pd_rank.views(pool).values(), *pd_rank.aux_views(metadata)]:
+        view.fill_(pd_rank.SENTINEL)
+    expected = pd_rank.make_pool(cfg, bridge=False)
+    pd_rank.fill_pool(expected, cfg["seed"])
+    manager = DecodePreallocQueue._init_kv_manager(
+        pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata, "decode"))
+    released: list[dict] = []
+    queue = transfer_queue(manager, metadata, group, released)
+    addr, room = f"127.0.0.1:{cfg['port']}", cfg["room"]
+    receiver = get_kv_class(TransferBackend(cfg["engine"]), KVClassType.RECEIVER)(
+        mgr=manager, bootstrap_addr=addr, bootstrap_room=room)
+    wait_for(lambda: manager.try_ensure_parallel_info(addr), 180, "prefill parallel info")
+    receiver.init(0)
+    wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput, 30, "decode bootstrap")
+    node = receiver._node
+    dst = cfg["dst_pages"]
+    idx = queue.req_to_metadata_buffer_idx_allocator.alloc()
+    receiver.send_metadata(dst, idx, [dst])
+    decode_req = DecodeRequest(req=make_req("r", cfg["port"], room), kv_receiver=receiver,
+                               metadata_buffer_index=idx)
+    queue.add(decode_req)
+    result = {"startup_warnings": [m for m in warnings.messages if "is off" in m],
+              "manager_checksums": manager.checksums, "node_checksums": node.checksums}
+
+    if cfg.get("success"):  # a clean transfer: polled to the end, as the transfer queue polls it
+        wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), 60, "decode end")
+        result.update(poll=int(receiver.poll()),
+                      checksums_verified=node.counters.snapshot().get("checksums_verified", 0))
+        receiver.clear()
+        result.update(in_node_at_end=room in node._receivers, forced_releases=manager.forced_releases)
+        manager.shutdown()
+        return result
+    if cfg["abort"]:
+        wait_for(lambda: landed(pool, cfg, expected) > 0, 60, "the first half of prefill's write")
+        result["landed_at_abort"] = landed(pool, cfg, expected)
+        receiver.abort()  # the scheduler's abort of a transfer-queue request (scheduler.py ~5780)
+        result["abort_notified"] = receiver.abort_notified
+    answers, unreleased_after_release, in_node_after_release, held = [], None, None, 0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if decode_req.kv_receiver is not None and decode_req.kv_receiver.poll() == KVPoll.Failed:
+            answers.append(manager.is_abort_release_safe(room, 1))  # sglang's question, each step
+        queue.pop_transferred()
+        held = max(held, queue.num_pending_deferred_releases())
+        queue.resolve_deferred_releases()
+        if released and unreleased_after_release is None:
+            unreleased_after_release = manager.unreleased_receivers
+            in_node_after_release = room in node._receivers
+            released[0]["landed"] = landed(pool, cfg, expected)
+            for view in pd_rank.views(pool).values():  # the pages' new owner writes them
+                view[dst] = NEW_OWNER
+            released[0]["new_owner_at"] = time.monotonic()
+        if released and time.monotonic() > released[0]["new_owner_at"] + cfg["write_window_s"]:
+            break
+        time.sleep(0.01)
+    manager.is_abort_release_safe(room + 1, 0)  # sglang's next call into the manager
+    result.update(
+        released=released, held=held, landed_at_end=landed(pool, cfg, expected),
+        answers_false=answers.count(False), answers_true=answers.count(True),
+        last_answer=answers[-1] if answers else None,
+        new_owner_intact=all(bool((v[dst] == NEW_OWNER).all()) for v in pd_rank.views(pool).values()),
+        forced_releases=manager.forced_releases, unreleased_after_release=unreleased_after_release,
+        in_node_after_release=in_node_after_release, unreleased_at_end=manager.unreleased_receivers,
+        in_node_at_end=room in node._receivers, pending=queue.num_pending_deferred_releases(),
+        finished=decode_req.req.finished_reason.message if decode_req.req.finished_reason else None,
+        status=getattr(decode_req.req.finished_reason, "status_code", None),
+        checksums_verified=node.counters.snapshot().get("checksums_verified", 0),
+        forced_warnings=[m for m in warnings.messages if "fence still held" in m])
+    manager.shutdown()
+    return result
+
+
+def main() -> None:
+    import torch.distributed as dist
+    from sglang.srt.plugins import load_plugins
+
+    configs = json.loads(sys.argv[2])
+    load_plugins()
+    warnings = Warnings()
+    logging.getLogger("dsa_bridge.plugin.sglang.conn").addHandler(warnings)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{configs[0]['dist_port']}",
+                            world_size=1, rank=0)
+    group = dist.new_group([0], backend="gloo")
+    results = []
+    for cfg in configs:
+        with shims.published_context(
+                disaggregation_mode="decode", disaggregation_transfer_backend=cfg["engine"],
+                host="127.0.0.1", disaggregation_enable_kv_checksum=cfg.get("checksum", False)) as args:
+            results.append(run(cfg, args, group, warnings))
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

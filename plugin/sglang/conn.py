@@ -3,7 +3,8 @@
 Imported only where ``sglang`` is installed. The classes implement
 ``sglang.srt.disaggregation.base.conn`` as sglang 0.5.23's scheduler queues call them, over
 dsa-bridge's ``PrefillNode`` / ``DecodeNode`` (layer-id pairing, bounds checks before any write,
-deadlines, KVPoll states):
+deadlines, KVPoll states). The pure decisions of bring-up are in ``bringup.py``, the buffers as a
+node's pool in ``paged_buffers.py``:
 
 - ``DSABridgeKVManager(args, mode, server_args, is_mla_backend)``: one per scheduler rank. From
   the rank's ``KVArgs`` (``kvargs.bridge_buffers``: KV, DSA state and aux buffers with
@@ -55,12 +56,9 @@ radix-cache prefix.
 
 from __future__ import annotations
 
-import ctypes
-import importlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import requests
@@ -83,23 +81,26 @@ from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_disagg, get_parallel, get_serving
 from sglang.srt.utils.network import NetworkAddress, get_local_ip_auto
 
-from ...plugin.descriptors import BufferDescriptor, BufferSet
 from ...transfer import auth
 from ...transfer.backends import create_backend
 from ...transfer.decode import DecodeNode, KVReceiver
 from ...transfer.handshake import HandshakeError
 from ...transfer.prefill import PrefillNode
+from .bringup import (
+    KV_LAYOUT_MARK,
+    PeerBackoff,
+    backend_of,
+    bootstrap_host,
+    pairing_problems,
+    sglang_class,
+)
 from .kvargs import bridge_buffers, dsa_problem
+from .paged_buffers import PagedBuffers
 
 log = logging.getLogger(__name__)
 
-KV_LAYOUT_MARK = "dsa-bridge"  # the kv_layout a dsa-bridge prefill registers: decode requires it
-BACKENDS = {"mooncake": ("sglang.srt.disaggregation.mooncake", "Mooncake"),
-            "nixl": ("sglang.srt.disaggregation.nixl", "Nixl")}
 HTTP_TIMEOUT_S = 5.0
 REGISTER_WAIT_S = 30.0  # for the bootstrap server to listen when a prefill rank registers
-BACKOFF_FIRST_S = 1.0  # after a prefill's first failed connection; doubling per failure...
-BACKOFF_MAX_S = 30.0  # ...up to this
 STAGE_REPORT_S = 0.005  # how often a later pipeline stage reports its senders' statuses to stage 0
 TERMINAL = (KVPoll.Failed, KVPoll.Success)
 # decode's fence (DecodeNode): a failed engine write's bytes may land for IN_FLIGHT_GRACE_S after
@@ -107,114 +108,6 @@ TERMINAL = (KVPoll.Failed, KVPoll.Success)
 IN_FLIGHT_GRACE_S = 35.0
 QUARANTINE_TIMEOUT_S = 600.0
 DEFERRED_RELEASE_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
-
-
-def sglang_class(backend: str, role: str) -> type:
-    """sglang's own class for ``role`` ("KVManager", "KVSender", ...) of ``backend``."""
-    module, prefix = BACKENDS[backend]
-    return getattr(importlib.import_module(module), prefix + role)
-
-
-def _backend_of(server_args) -> str:
-    backend = str(getattr(server_args.disaggregation_transfer_backend, "value",
-                          server_args.disaggregation_transfer_backend))
-    if backend not in BACKENDS:
-        raise ValueError(f"dsa-bridge serves the transfer backends {sorted(BACKENDS)}, not {backend!r}")
-    return backend
-
-
-def bootstrap_host(serving_host: str, dist_init_addr: str | None) -> str:
-    """The host a prefill rank registers to, as sglang's ``CommonKVManager.register_to_bootstrap``
-    chooses it: with ``--dist-init-addr`` (multi-node) that address's host, where the bootstrap
-    server runs beside rank 0; otherwise ``--host``, a wildcard rewritten to the loopback of its
-    family (the wildcard listener binds it too, and a single node's ranks are all local)."""
-    if dist_init_addr:
-        return NetworkAddress.parse(dist_init_addr).resolved().host
-    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(serving_host, serving_host)
-
-
-def pairing_problems(info: PrefillServerInfo, *, page_size: int, kv_cache_dtype: str | None,
-                     attn_tp_size: int, force_dp_query: bool) -> list[str]:
-    """Why this decode rank cannot pair with the prefill whose parallel info is ``info``, each
-    reason naming the flag to change; empty when it can."""
-    problems = []
-    if info.kv_layout != KV_LAYOUT_MARK:
-        problems.append(f"the prefill registered kv_layout {info.kv_layout!r}, not dsa-bridge's: it "
-                        "does not run dsa-bridge's transfer (set SGLANG_PLUGINS=dsa_bridge on the "
-                        "prefill too)")
-    if info.page_size != page_size:
-        problems.append(f"page size: prefill {info.page_size}, decode {page_size} (both servers "
-                        "need the same --page-size)")
-    if info.kv_cache_dtype != kv_cache_dtype:
-        problems.append(f"KV cache dtype: prefill {info.kv_cache_dtype}, decode {kv_cache_dtype} "
-                        "(both servers need the same --kv-cache-dtype)")
-    if info.attn_tp_size != attn_tp_size:
-        problems.append(f"attention-TP width: prefill {info.attn_tp_size}, decode {attn_tp_size} "
-                        "(dsa-bridge pairs decode rank r with prefill rank r: give both servers the "
-                        "same --tp-size / (--attn-dp-size x --attn-cp-size))")
-    if info.attn_cp_size != 1:
-        problems.append(f"attention CP: prefill {info.attn_cp_size} (dsa-bridge serves "
-                        "--attn-cp-size 1)")
-    if info.dp_size > 1 and not info.follow_bootstrap_room:
-        problems.append(f"the prefill has {info.dp_size} DP groups and no follow_bootstrap_room: "
-                        "decode cannot compute a request's group (run the prefill with "
-                        "--load-balance-method follow_bootstrap_room)")
-    elif info.dp_size > 1 and force_dp_query:
-        problems.append(f"the prefill has {info.dp_size} DP groups and this decode sets "
-                        "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK, a query dsa-bridge's "
-                        "prefill does not answer (unset it)")
-    return problems
-
-
-class _DeviceBytes:
-    """``nbytes`` of GPU memory at ``ptr``, as torch reads a foreign CUDA array."""
-
-    def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3}
-
-
-class PagedBuffers:
-    """sglang's buffers as the pool a dsa-bridge node takes: the validated descriptors (a
-    ``BufferSet``) and, for the checksums, each buffer's pages as a uint8 view of sglang's memory
-    (``page_view``), made from its pointer on ``device``."""
-
-    def __init__(self, buffers: BufferSet, device: str):
-        self.layout = buffers.layout
-        self.device = device
-        self._buffers = buffers
-        self._by_key = {(d.layer_id, d.kind): d for d in buffers.buffer_descriptors()}
-
-    def buffer_descriptors(self) -> list[BufferDescriptor]:
-        return self._buffers.buffer_descriptors()
-
-    def page_view(self, layer_id: int, kind: str):
-        """uint8 (pages, page bytes) view of the buffer of ``(layer_id, kind)``, sharing its memory."""
-        import torch
-
-        d = self._by_key[(layer_id, kind)]
-        if self.device == "cpu":
-            raw = torch.frombuffer((ctypes.c_uint8 * d.nbytes).from_address(d.ptr), dtype=torch.uint8)
-        else:
-            raw = torch.as_tensor(_DeviceBytes(d.ptr, d.nbytes), device=self.device)
-        return raw.view(d.nbytes // d.item_len, d.item_len)
-
-
-@dataclass(frozen=True)
-class PeerBackoff:
-    """Why connecting to a prefill (DP group) last failed, and when to try again: ``BACKOFF_FIRST_S``
-    after the first failure, doubling with each further one up to ``BACKOFF_MAX_S``. Pure: the
-    caller passes ``now``."""
-
-    reason: str
-    failures: int
-    retry_at: float
-
-    @staticmethod
-    def after(previous: PeerBackoff | None, reason: str, now: float) -> PeerBackoff:
-        failures = 1 if previous is None else previous.failures + 1
-        delay = min(BACKOFF_FIRST_S * 2 ** (failures - 1), BACKOFF_MAX_S)
-        return PeerBackoff(reason, failures, now + delay)
 
 
 class DSABridgeKVManager(BaseKVManager):
@@ -228,7 +121,7 @@ class DSABridgeKVManager(BaseKVManager):
         problem = dsa_problem(args)
         if problem is None:
             return super().__new__(cls)
-        fallback = sglang_class(_backend_of(server_args), "KVManager")
+        fallback = sglang_class(backend_of(server_args), "KVManager")
         log.info("dsa-bridge: %s; sglang's %s moves this pool", problem, fallback.__name__)
         return fallback(args, disaggregation_mode, server_args, is_mla_backend, **kwargs)
 
@@ -237,7 +130,7 @@ class DSABridgeKVManager(BaseKVManager):
         self.disaggregation_mode = disaggregation_mode
         self.server_args = server_args
         self.is_mla_backend = is_mla_backend
-        self.backend = _backend_of(server_args)
+        self.backend = backend_of(server_args)
         parallel = get_parallel()
         self.attn_tp_size, self.attn_tp_rank = parallel.attn_tp_size, parallel.attn_tp_rank
         self.attn_dp_size, self.attn_dp_rank = parallel.attn_dp_size, parallel.attn_dp_rank
@@ -616,7 +509,7 @@ class DSABridgeKVSender(BaseKVSender):
     def __new__(cls, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=False):
         if isinstance(mgr, DSABridgeKVManager):
             return super().__new__(cls)
-        return sglang_class(_backend_of(mgr.server_args), "KVSender")(
+        return sglang_class(backend_of(mgr.server_args), "KVSender")(
             mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
 
     def __init__(self, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=False):
@@ -711,7 +604,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
     def __new__(cls, mgr, bootstrap_addr, bootstrap_room=None, **kwargs):
         if isinstance(mgr, DSABridgeKVManager):
             return super().__new__(cls)
-        return sglang_class(_backend_of(mgr.server_args), "KVReceiver")(
+        return sglang_class(backend_of(mgr.server_args), "KVReceiver")(
             mgr, bootstrap_addr, bootstrap_room, **kwargs)
 
     def __init__(self, mgr, bootstrap_addr, bootstrap_room=None):

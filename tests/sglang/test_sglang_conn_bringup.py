@@ -34,7 +34,7 @@ from sglang.srt.disaggregation.base import KVArgs  # noqa: E402
 from sglang.srt.disaggregation.utils import DisaggregationMode, setup_state_kv_args  # noqa: E402
 from sglang.srt.utils.network import get_local_ip_auto  # noqa: E402
 
-from dsa_bridge.plugin.sglang import conn  # noqa: E402
+from dsa_bridge.plugin.sglang import bringup, conn  # noqa: E402
 from dsa_bridge.plugin.sglang.pool import BridgeDSATokenToKVPool  # noqa: E402
 from dsa_bridge.transfer.backends import create_backend  # noqa: E402
 from dsa_bridge.transfer.prefill import PrefillNode  # noqa: E402
@@ -81,7 +81,7 @@ def test_refused_prefill_aborts_its_requests_and_the_same_queue_serves_a_good_pr
 def test_peer_backoff_doubles_from_one_second_to_thirty():
     failure, delays = None, []
     for _ in range(8):
-        failure = conn.PeerBackoff.after(failure, "refused", now=100.0)
+        failure = bringup.PeerBackoff.after(failure, "refused", now=100.0)
         delays.append(failure.retry_at - 100.0)
     assert delays == [1, 2, 4, 8, 16, 30, 30, 30]
     assert failure.failures == 8 and failure.reason == "refused"
@@ -188,11 +188,11 @@ def test_prefill_rank_registers_sglang_host_ip_and_listens_there_with_host_0000(
 
 
 def test_bootstrap_host_is_sglangs_choice():
-    assert conn.bootstrap_host("0.0.0.0", None) == "127.0.0.1"
-    assert conn.bootstrap_host("::", None) == "::1"
-    assert conn.bootstrap_host("10.0.0.7", None) == "10.0.0.7"
-    assert conn.bootstrap_host("0.0.0.0", "10.1.2.3:5000") == "10.1.2.3"  # multi-node: rank 0's host
-    assert conn.bootstrap_host("0.0.0.0", "[fd00::5]:5000") == "fd00::5"
+    assert bringup.bootstrap_host("0.0.0.0", None) == "127.0.0.1"
+    assert bringup.bootstrap_host("::", None) == "::1"
+    assert bringup.bootstrap_host("10.0.0.7", None) == "10.0.0.7"
+    assert bringup.bootstrap_host("0.0.0.0", "10.1.2.3:5000") == "10.1.2.3"  # multi-node: rank 0's host
+    assert bringup.bootstrap_host("0.0.0.0", "[fd00::5]:5000") == "fd00::5"
 
 
 def test_multi_node_prefill_rank_registers_at_the_dist_init_addr_host(monkeypatch):

@@ -1,0 +1,99 @@
+"""Bring-up of a dsa-bridge rank inside sglang, pure: which backend and sglang class, the host a
+prefill rank registers to, whether a decode rank can pair with a prefill, and when to retry a
+prefill that could not be reached.
+
+- ``backend_of`` / ``sglang_class``: the configured transfer backend, and sglang's own class of it
+  (the fallback for pools that are not DSA pools);
+- ``bootstrap_host``: the host sglang's ``register_to_bootstrap`` would register;
+- ``pairing_problems``: why a decode rank cannot pair with a prefill, each reason naming the flag
+  to change (empty when it can);
+- ``PeerBackoff``: retry times after failed connections, doubling up to a bound.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from sglang.srt.disaggregation.common.conn import PrefillServerInfo
+from sglang.srt.utils.network import NetworkAddress
+
+KV_LAYOUT_MARK = "dsa-bridge"  # the kv_layout a dsa-bridge prefill registers: decode requires it
+BACKENDS = {"mooncake": ("sglang.srt.disaggregation.mooncake", "Mooncake"),
+            "nixl": ("sglang.srt.disaggregation.nixl", "Nixl")}
+BACKOFF_FIRST_S = 1.0  # after a prefill's first failed connection; doubling per failure...
+BACKOFF_MAX_S = 30.0  # ...up to this
+
+
+def sglang_class(backend: str, role: str) -> type:
+    """sglang's own class for ``role`` ("KVManager", "KVSender", ...) of ``backend``."""
+    module, prefix = BACKENDS[backend]
+    return getattr(importlib.import_module(module), prefix + role)
+
+
+def backend_of(server_args) -> str:
+    backend = str(getattr(server_args.disaggregation_transfer_backend, "value",
+                          server_args.disaggregation_transfer_backend))
+    if backend not in BACKENDS:
+        raise ValueError(f"dsa-bridge serves the transfer backends {sorted(BACKENDS)}, not {backend!r}")
+    return backend
+
+
+def bootstrap_host(serving_host: str, dist_init_addr: str | None) -> str:
+    """The host a prefill rank registers to, as sglang's ``CommonKVManager.register_to_bootstrap``
+    chooses it: with ``--dist-init-addr`` (multi-node) that address's host, where the bootstrap
+    server runs beside rank 0; otherwise ``--host``, a wildcard rewritten to the loopback of its
+    family (the wildcard listener binds it too, and a single node's ranks are all local)."""
+    if dist_init_addr:
+        return NetworkAddress.parse(dist_init_addr).resolved().host
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(serving_host, serving_host)
+
+
+def pairing_problems(info: PrefillServerInfo, *, page_size: int, kv_cache_dtype: str | None,
+                     attn_tp_size: int, force_dp_query: bool) -> list[str]:
+    """Why this decode rank cannot pair with the prefill whose parallel info is ``info``, each
+    reason naming the flag to change; empty when it can."""
+    problems = []
+    if info.kv_layout != KV_LAYOUT_MARK:
+        problems.append(f"the prefill registered kv_layout {info.kv_layout!r}, not dsa-bridge's: it "
+                        "does not run dsa-bridge's transfer (set SGLANG_PLUGINS=dsa_bridge on the "
+                        "prefill too)")
+    if info.page_size != page_size:
+        problems.append(f"page size: prefill {info.page_size}, decode {page_size} (both servers "
+                        "need the same --page-size)")
+    if info.kv_cache_dtype != kv_cache_dtype:
+        problems.append(f"KV cache dtype: prefill {info.kv_cache_dtype}, decode {kv_cache_dtype} "
+                        "(both servers need the same --kv-cache-dtype)")
+    if info.attn_tp_size != attn_tp_size:
+        problems.append(f"attention-TP width: prefill {info.attn_tp_size}, decode {attn_tp_size} "
+                        "(dsa-bridge pairs decode rank r with prefill rank r: give both servers the "
+                        "same --tp-size / (--attn-dp-size x --attn-cp-size))")
+    if info.attn_cp_size != 1:
+        problems.append(f"attention CP: prefill {info.attn_cp_size} (dsa-bridge serves "
+                        "--attn-cp-size 1)")
+    if info.dp_size > 1 and not info.follow_bootstrap_room:
+        problems.append(f"the prefill has {info.dp_size} DP groups and no follow_bootstrap_room: "
+                        "decode cannot compute a request's group (run the prefill with "
+                        "--load-balance-method follow_bootstrap_room)")
+    elif info.dp_size > 1 and force_dp_query:
+        problems.append(f"the prefill has {info.dp_size} DP groups and this decode sets "
+                        "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK, a query dsa-bridge's "
+                        "prefill does not answer (unset it)")
+    return problems
+
+
+@dataclass(frozen=True)
+class PeerBackoff:
+    """Why connecting to a prefill (DP group) last failed, and when to try again: ``BACKOFF_FIRST_S``
+    after the first failure, doubling with each further one up to ``BACKOFF_MAX_S``. Pure: the
+    caller passes ``now``."""
+
+    reason: str
+    failures: int
+    retry_at: float
+
+    @staticmethod
+    def after(previous: PeerBackoff | None, reason: str, now: float) -> PeerBackoff:
+        failures = 1 if previous is None else previous.failures + 1
+        delay = min(BACKOFF_FIRST_S * 2 ** (failures - 1), BACKOFF_MAX_S)
+        return PeerBackoff(reason, failures, now + delay)

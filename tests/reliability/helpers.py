@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -27,6 +29,17 @@ def make_pool(layout: DSALayout = DEEPSEEK, pages: int = 48, *, guard_bytes: int
     if sentinel:
         reset_pages(pool, np.arange(pool.num_kv_pages))
     return pool
+
+
+def fence_state(receiver) -> str:
+    """What holds a decode request's pages, for a failure message: its status, the prefill nodes
+    that may still write, the quarantined ones, and when a failed write's grace ends."""
+    now = time.monotonic()
+    fence, state = receiver.fence, receiver.state
+    until = "-" if fence.in_flight_until is None else f"{fence.in_flight_until - now:+.1f}s"
+    at = "-" if state.release_at is None else f"{state.release_at - now:+.1f}s"
+    return (f"room {receiver.room} {receiver.poll().name}: outstanding {sorted(fence.outstanding)}, "
+            f"quarantined {sorted(fence.quarantined)}, in flight until {until}, release at {at}")
 
 
 def settled(*requests) -> bool:

@@ -37,7 +37,14 @@ from tests.faulty import DELAY_ENV, EVERY_ENV, HALF_LANDED, FaultyBackend
 
 from ..transfer.fake_backend import FakeBackend
 from ..transfer.helpers import wait_for
-from .helpers import DEEPSEEK, buffer_matches, buffer_untouched, make_pool, settled
+from .helpers import (
+    DEEPSEEK,
+    buffer_matches,
+    buffer_untouched,
+    fence_state,
+    make_pool,
+    settled,
+)
 from .netns import loopback_hosts
 from .procs import Hang, decode, gone, listening, prefill, summary
 
@@ -337,7 +344,8 @@ def test_engine_write_failing_every_third_call(backend, procs, ledger):
         assert all(buffer_matches(node.pool, r.room, p[:1], FIRST, "kv") for r, p in failed)
         # released once the grace has run from the last report (seconds ago): 12 s of margin
         wait_for(lambda: all(r.can_release() for r, _ in failed), IN_FLIGHT_GRACE_S + 12,
-                 "pages after the grace")
+                 "pages after the grace",
+                 detail=lambda: "; ".join(fence_state(r) for r, _ in failed if not r.can_release()))
     assert server.stop() == 0
     counters = server.counters()
     ledger.record(tried=counters["engine_failures"], ok=len(requests) - len(failed),
@@ -349,9 +357,12 @@ def test_engine_write_failing_every_third_call(backend, procs, ledger):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_abort_while_the_write_is_landing(backend, procs, ledger):
     """Decode aborts a request whose write has landed half (the other half is 2.5 s away) and a
-    second one queued behind it: neither's pages are released before prefill confirms, by then
-    the first write has fully landed and the second never started; afterwards nothing lands in
-    them, and the next request in the same pages sees only its own bytes."""
+    second one queued behind it: neither's pages are released before prefill confirms (by proof,
+    never by the quarantine's bound), by then the first write has fully landed and the second
+    never started; afterwards nothing lands in them, and the next request in the same pages sees
+    only its own bytes. Prefill may confirm the queued one at once (no write of it started: it
+    may not even have a sender yet), so only the landing one is certainly still held after the
+    abort."""
     server = prefill(procs, LO, backend, *NODE, env={DELAY_ENV: "2500"})
     listening(procs, server)
     landing_pages, queued_pages = np.arange(1, 5), np.arange(5, 8)
@@ -366,9 +377,10 @@ def test_decode_abort_while_the_write_is_landing(backend, procs, ledger):
         landing.abort("client went away")
         queued.abort("client went away")
         assert landing.poll() == queued.poll() == KVPoll.Failed
-        assert not landing.can_release() and not queued.can_release()
+        assert not landing.can_release()  # its write is in flight for 2.5 s more
         wait_for(lambda: landing.can_release() and queued.can_release(), 30,
-                 "prefill's confirmation")
+                 "prefill's confirmation", detail=lambda: f"{fence_state(landing)}; {fence_state(queued)}")
+        assert not landing.fence.expired and not queued.fence.expired  # released by proof
         assert count_mismatches(node.pool, 1, landing_pages) == 0  # landed before the release
         assert sentinel_intact(node.pool, queued_pages)  # never written
         reset_pages(node.pool, landing_pages)

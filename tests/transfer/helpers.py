@@ -14,17 +14,19 @@ SMALL_CONFIG = {"num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim":
 
 
 def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition", *, poll_s: float = 0.002,
-             error: type[Exception] = AssertionError):
+             error: type[Exception] = AssertionError, detail=None):
     """Poll ``predicate`` every ``poll_s`` until it is truthy and return its value; after
     ``timeout_s`` (the predicate asked once more at the deadline) raise ``error`` — by default
-    an AssertionError, which fails the test; a caller that catches the timeout names its own."""
+    an AssertionError, which fails the test; a caller that catches the timeout names its own.
+    ``detail``, a function, says what the state was then (for a failure that must be explained)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise error(f"{what} not reached within {timeout_s}s")
+            raise error(f"{what} not reached within {timeout_s}s"
+                        + (f": {detail()}" if detail is not None else ""))
         time.sleep(poll_s)
 
 

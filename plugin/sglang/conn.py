@@ -100,6 +100,7 @@ from .paged_buffers import PagedBuffers
 log = logging.getLogger(__name__)
 
 HTTP_TIMEOUT_S = 5.0
+ROUTE_RECHECK_S = 1.0  # how often an unreachable prefill's endpoints are looked up again
 REGISTER_WAIT_S = 30.0  # for the bootstrap server to listen when a prefill rank registers
 STAGE_REPORT_S = 0.005  # how often a later pipeline stage reports its senders' statuses to stage 0
 TERMINAL = (KVPoll.Failed, KVPoll.Success)
@@ -165,6 +166,8 @@ class DSABridgeKVManager(BaseKVManager):
         self.node: PrefillNode | None = None
         self.decode_nodes: dict[tuple[str, int], DecodeNode] = {}
         self.node_failures: dict[tuple[str, int], PeerBackoff] = {}
+        self.route_checked: dict[tuple[str, int], float] = {}  # when a lost prefill was looked up
+        self.retired_nodes: list[DecodeNode] = []  # nodes of a restarted prefill, until idle
         self.prefill_info_table: dict[str, PrefillServerInfo] = {}
         self.refused_prefills: dict[str, str] = {}  # bootstrap address -> why it cannot pair
         self.stage_status: PPConsensusStore | None = None
@@ -343,7 +346,7 @@ class DSABridgeKVManager(BaseKVManager):
         key = (bootstrap_addr, dp_rank)
         with self._lock:
             node = self.decode_nodes.get(key)
-            if node is not None:
+            if node is not None and not self._restarted(key, node):
                 return node
             if not self.try_ensure_parallel_info(bootstrap_addr):
                 raise HandshakeError(self.refusal(bootstrap_addr)
@@ -364,6 +367,44 @@ class DSABridgeKVManager(BaseKVManager):
             self.node_failures.pop(key, None)
             self.decode_nodes[key] = node
             return node
+
+    def _restarted(self, key: tuple[str, int], node: DecodeNode) -> bool:
+        """Whether the prefill behind ``node``, which it cannot reach, registered new endpoints
+        (a restarted prefill listens on a new port): then ``node`` is retired, closed once its
+        requests are forgotten, and a new one is made. Looked up at most once per
+        ``ROUTE_RECHECK_S``; a prefill back on the same port is the node's own re-handshake."""
+        now = self.clock()
+        if not node.unreachable() or now < self.route_checked.get(key, -ROUTE_RECHECK_S) + ROUTE_RECHECK_S:
+            return False
+        self.route_checked[key] = now
+        bootstrap_addr, dp_rank = key
+        known = self.prefill_info_table.pop(bootstrap_addr, None)  # it may have changed too
+        if not self.try_ensure_parallel_info(bootstrap_addr):
+            if known is not None and bootstrap_addr not in self.refused_prefills:
+                self.prefill_info_table[bootstrap_addr] = known  # not registered again yet
+            return False  # (refused now: its requests fail with the reason)
+        try:
+            stages = self.prefill_info_table[bootstrap_addr].pp_size
+            endpoints = [self._rank_endpoint(bootstrap_addr, dp_rank, p) for p in range(stages)]
+        except (HandshakeError, requests.RequestException, KeyError, ValueError) as exc:
+            log.info("dsa-bridge: prefill %s (dp %d) unreachable, its new endpoints not known: %s",
+                     bootstrap_addr, dp_rank, exc)
+            return False
+        old = [peer.endpoint for peer in node.peers]
+        if endpoints == old:
+            return False
+        log.warning("dsa-bridge: prefill %s (dp %d) moved from %s to %s (restarted): connecting "
+                    "anew", bootstrap_addr, dp_rank, ", ".join(old), ", ".join(endpoints))
+        del self.decode_nodes[key]
+        self.retired_nodes.append(node)
+        self._close_idle_retired()
+        return True
+
+    def _close_idle_retired(self) -> None:
+        """Close the retired nodes no request is left on (every one forgotten)."""
+        for node in [n for n in self.retired_nodes if n.requests == 0]:
+            node.close()
+            self.retired_nodes.remove(node)
 
     def _connect(self, bootstrap_addr: str, dp_rank: int) -> DecodeNode:
         stages = self.prefill_info_table[bootstrap_addr].pp_size
@@ -454,6 +495,8 @@ class DSABridgeKVManager(BaseKVManager):
             else:
                 held.append((node, request))
         self._unreleased = held
+        if self.retired_nodes:
+            self._close_idle_retired()
 
     @property
     def unreleased_receivers(self) -> int:
@@ -469,9 +512,10 @@ class DSABridgeKVManager(BaseKVManager):
             self.stage_status.close()
         if self.node is not None:
             self.node.close()
-        for node in self.decode_nodes.values():
+        for node in [*self.decode_nodes.values(), *self.retired_nodes]:
             node.close()
         self.decode_nodes.clear()
+        self.retired_nodes.clear()
 
 
 def _cuda() -> bool:

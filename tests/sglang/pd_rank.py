@@ -218,6 +218,9 @@ def run_prefill(cfg: dict, server_args, groups=None) -> dict:
                   node_checksums=manager.node.checksums)
     if sender.poll() == KVPoll.Success:
         sender.clear()  # sglang's inflight queue, on Success
+    if cfg.get("killed_after"):  # served: now it waits, connected, until the test kills it
+        print("SERVED", flush=True)
+        time.sleep(600)
     manager.shutdown()
     close(server)
     return result

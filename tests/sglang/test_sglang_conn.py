@@ -205,19 +205,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+RANK_MODULES = {"prealloc": "tests.sglang.prealloc_rank", "release": "tests.sglang.release_rank",
+                "restart": "tests.sglang.restart_rank"}  # any other role: pd_rank.py
+
+
+def start_rank(role: str, cfgs: list[dict] | dict) -> subprocess.Popen:
+    """One rank's process (its module by ``role``), as sglang's scheduler process would run."""
+    env = {**os.environ, "SGLANG_PLUGINS": "dsa_bridge", "SGLANG_HOST_IP": "127.0.0.1",
+           "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
+           "MC_LOG_LEVEL": "ERROR"}
+    return subprocess.Popen([sys.executable, "-m", RANK_MODULES.get(role, "tests.sglang.pd_rank"), role,
+                             json.dumps(cfgs)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
 def run_ranks(ranks: list[tuple[str, list[dict] | dict]]) -> list:
     """Every rank at once, each its own process (as sglang's schedulers), stepping through its
     scenarios (``pd_rank.py``; role "prealloc": ``prealloc_rank.py``, one scenario; role "release":
     ``release_rank.py``); every process
     always stopped."""
-    env = {**os.environ, "SGLANG_PLUGINS": "dsa_bridge", "SGLANG_HOST_IP": "127.0.0.1",
-           "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
-           "MC_LOG_LEVEL": "ERROR"}
-    module = {"prealloc": "tests.sglang.prealloc_rank", "release": "tests.sglang.release_rank"}
-    procs = [(role, subprocess.Popen([sys.executable, "-m", module.get(role, "tests.sglang.pd_rank"), role,
-                                      json.dumps(cfgs)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True))
-             for role, cfgs in ranks]
+    procs = [(role, start_rank(role, cfgs)) for role, cfgs in ranks]
     results = []
     try:
         for role, proc in procs:

@@ -128,6 +128,17 @@ class DecodeNode:
                 raise RuntimeError(f"room {receiver.room}: pages may still be written")
             self._receivers.pop(receiver.room, None)
 
+    def unreachable(self) -> list[str]:
+        """The prefill endpoints this node cannot reach now: silent, or their connection down."""
+        with self._lock:
+            return [peer.endpoint for peer in self.peers if not peer.alive or not peer.link.up]
+
+    @property
+    def requests(self) -> int:
+        """Requests not yet forgotten (the application still holds them, or their pages)."""
+        with self._lock:
+            return len(self._receivers)
+
     def held_pages(self) -> int:
         """Pages of failed requests that may not go back to the allocator yet (invariant 8),
         quarantined ones included."""

@@ -87,12 +87,15 @@ class HelloAck(msgspec.Struct, frozen=True, tag="hello_ack"):
 
 class RequestPages(msgspec.Struct, frozen=True, tag="request"):
     """Decode has allocated ``dst_pages`` for ``room``; prefill writes the request there, and
-    its aux slots into decode's slot ``aux_index`` (-1: none)."""
+    its aux slots into decode's slot ``aux_index`` (-1: none). ``prefix_tokens``: the request's
+    first tokens decode holds already (its radix cache); ``dst_pages`` are for the rest, and
+    prefill sends only the rest."""
 
     room: int
     dst_pages: list[int]
     num_tokens: int
     aux_index: int = -1
+    prefix_tokens: int = 0
 
 
 class PageChecksums(msgspec.Struct, frozen=True, array_like=True):
@@ -126,8 +129,12 @@ class ChunkDone(msgspec.Struct, frozen=True, tag="chunk_done"):
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
+    """Either side gives up ``room``. ``before_pages``: decode gave up before it sent its pages
+    (prefill's sender, now or later, fails at once; nothing to answer)."""
+
     room: int
     reason: Reason
+    before_pages: bool = False
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):

@@ -77,11 +77,11 @@ def hello_bytes(layout: DSALayout, backend: str) -> int:
 
 
 def request_pages_bytes(pages: int) -> int:
-    return len(protocol.encode(protocol.RequestPages(LARGEST, [], LARGEST, LARGEST))) + _ints(pages)
+    return len(protocol.encode(protocol.RequestPages(LARGEST, [], LARGEST, LARGEST, LARGEST))) + _ints(pages)
 
 
 def abort_bytes() -> int:
-    return len(protocol.encode(protocol.Abort(LARGEST, ""))) + _text(MAX_REASON_CHARS)
+    return len(protocol.encode(protocol.Abort(LARGEST, "", before_pages=True))) + _text(MAX_REASON_CHARS)
 
 
 def heartbeat_bytes() -> int:

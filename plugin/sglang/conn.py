@@ -25,13 +25,15 @@ node's pool in ``paged_buffers.py``:
 - ``DSABridgeKVSender``: ``init(num_kv_indices, aux_index)``, ``send(kv_indices, state_indices)``
   (the DSA state indices, with the last chunk, must be the request's KV pages: one function
   derives the indexer pages), ``poll()``, ``poll_pp_consensus()`` (every stage's status, on
-  pipeline stage 0), ``failure_exception()`` raising, ``abort()``, ``clear()``.
+  pipeline stage 0), ``pop_decode_prefix_len()`` (decode's radix-cache prefix, from its pages),
+  ``failure_exception()`` raising, ``abort()``, ``clear()``.
 - ``DSABridgeKVReceiver``: ``init(prefill_dp_rank)`` (connects to that prefill; a refused
   handshake fails the request, with the reason), ``send_metadata(kv_indices, aux_index,
-  state_indices, decode_prefix_len, destination)``, ``poll()`` (Failed, with the reason, once
-  its prefill is refused), ``failure_exception()`` (sglang's ``KVTransferError``; a checksum
-  failure in sglang's words, "KV checksum mismatch"), ``abort()``, ``ensure_abort_notified()``,
-  ``clear()``.
+  state_indices, decode_prefix_len, destination)`` (the pages after decode's radix-cache
+  prefix, which prefill then skips; a refused call tells prefill at once), ``poll()``
+  (Failed, with the reason, once its prefill is refused), ``failure_exception()`` (sglang's
+  ``KVTransferError``; a checksum failure in sglang's words, "KV checksum mismatch"),
+  ``abort()``, ``ensure_abort_notified()``, ``clear()``.
 
 sglang's deferred decode release (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``, on by
 default) is answered by dsa-bridge's fence: the manager supports it, ``register_deferred_abort_room``
@@ -50,8 +52,8 @@ Senders and receivers built over a sglang manager (the non-DSA fallback) are sgl
 Limits (refused with a message naming the flag to change, see docs/sglang.md): equal
 attention-TP widths on both sides, attention CP 1, no KV sharding, decode with one pipeline
 stage, prefill DP only when decode can compute the rank (one DP group or
-``follow_bootstrap_room``, without a forced DP-rank query), device destinations only, no decode
-radix-cache prefix.
+``follow_bootstrap_room``, without a forced DP-rank query), device destinations only, decode
+radix-cache prefixes of whole pages (as sglang's radix cache makes them).
 """
 
 from __future__ import annotations
@@ -572,6 +574,12 @@ class DSABridgeKVSender(BaseKVSender):
             self._failed = _Failed(bootstrap_room, str(exc))
         mgr.track_stage_status(self)
 
+    def pop_decode_prefix_len(self) -> int:
+        """The request's first tokens decode holds already (its radix cache), as decode's pages
+        told this rank: sglang's prefill sends the request's pages from there
+        (``finalize_bootstrap``: ``start_send_idx``, and ``init`` counts only the rest)."""
+        return 0 if self._sender is None else self._sender.decode_prefix_tokens
+
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         if self._sender is None:
             return
@@ -698,16 +706,19 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         if self._failed is not None:
             return
         pages = np.asarray(kv_indices, dtype=np.int64)
+        prefix = int(decode_prefix_len or 0)  # tokens of decode's radix cache: pages are the rest
+        page_size = self.kv_mgr.kv_args.page_size
         problem = (
-            "a decode radix-cache prefix (decode_prefix_len > 0) is not supported" if decode_prefix_len
+            f"decode_prefix_len {prefix} is not a whole number of {page_size}-token pages"
+            if prefix % page_size
             else f"destination {destination} is not supported (device only)"
             if destination != KVTransferDestination.DEVICE
             else _state_problem(state_indices, pages) if state_indices is not None else None)
         if problem:
-            self._fail(problem)
+            self._fail(problem)  # prefill's sender is told at once (it fails, not times out)
             return
         try:
-            self._receiver.init(pages, aux_index=aux_index)
+            self._receiver.init(pages, aux_index=aux_index, prefix_tokens=prefix)
         except ValueError as exc:
             self._fail(f"bad metadata: {exc}")
             return

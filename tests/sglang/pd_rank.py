@@ -198,13 +198,20 @@ def run_prefill(cfg: dict, server_args, groups=None) -> dict:
         except TimeoutError:
             pass
     result["sender"] = type(sender).__qualname__
-    if sender.poll() == KVPoll.Bootstrapping:
+    if sender.poll() == KVPoll.Failed:  # decode gave the request up before it sent its pages
+        try:
+            sender.failure_exception()
+        except Exception as exc:  # the reason sglang's queue would log
+            result["reason"] = str(exc)
+    if sender.poll() in (KVPoll.Bootstrapping, KVPoll.Failed):
         result.update(poll=int(sender.poll()), refused=list(manager.node.refusals))
         manager.shutdown()
         close(server)
         return result
     assert sender.poll() == KVPoll.WaitingForInput, sender.poll()
-    src = cfg["src_pages"]
+    prefix = sender.pop_decode_prefix_len()  # sglang's finalize_bootstrap: start_send_idx
+    result["decode_prefix_len"] = prefix
+    src = cfg["src_pages"][prefix // 64:]  # the pages after decode's radix-cache prefix
     sender.init(len(src), cfg["src_aux"])
     fill_pool(pool, cfg["seed"])  # the forward pass writes the cache...
     fill(aux_views(metadata), seed=cfg["seed"] + 1)  # ...and the first token's metadata
@@ -277,10 +284,16 @@ def run_decode(cfg: dict, server_args) -> dict:
                       untouched=all(bool((v == SENTINEL).all()) for v in views(pool).values()))
         manager.shutdown()
         return result
-    dst = cfg["dst_pages"]
-    receiver.send_metadata(dst, cfg["dst_aux"], [dst])
+    prefix = cfg.get("prefix_tokens", 0)  # decode's radix cache holds the first pages
+    dst = cfg["dst_pages"][-(-prefix // 64):]
+    receiver.send_metadata(dst, cfg["dst_aux"], [dst], decode_prefix_len=prefix)
     wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), 60, "decode end")
     result["poll"] = int(receiver.poll())
+    if receiver.poll() == KVPoll.Failed:
+        try:
+            receiver.failure_exception()
+        except Exception as exc:  # the reason sglang's queue would log
+            result["reason"] = str(exc)
     result.update(compare(cfg, pool, metadata, receiver))
     receiver.clear()
     manager.shutdown()
@@ -291,14 +304,15 @@ def compare(cfg: dict, pool, metadata, receiver) -> dict:
     """Decode's pool and aux buffers against what prefill wrote (the same seeds), and the
     request's byte count."""
     result = {}
-    dst = cfg["dst_pages"]
+    skip = cfg.get("prefix_tokens", 0) // 64  # decode's radix-cache prefix: not sent, untouched
+    dst, src = cfg["dst_pages"][skip:], cfg["src_pages"][skip:]
     expected_pool, expected_meta = make_pool(cfg, bridge=False), metadata_buffers()
     fill_pool(expected_pool, cfg["seed"])
     fill(aux_views(expected_meta), seed=cfg["seed"] + 1)
     got, want = views(pool), views(expected_pool)
     others = [p for p in range(1, cfg["pages"] + 1) if p not in dst]
     result["buffers"] = sorted(got)
-    result["mismatched"] = [k for k in got if not bool((got[k][dst] == want[k][cfg["src_pages"]]).all())]
+    result["mismatched"] = [k for k in got if not bool((got[k][dst] == want[k][src]).all())]
     result["others_sentinel"] = all(bool((got[k][others] == SENTINEL).all()) for k in got)
     aux_got, aux_want = aux_views(metadata), aux_views(expected_meta)
     result["aux_exact"] = all(bool((g[cfg["dst_aux"]] == w[cfg["src_aux"]]).all())

@@ -97,10 +97,14 @@ class KVReceiver(RequestHandle):
 
     # ---- application thread ----------------------------------------------------------------
 
-    def init(self, page_ids, num_tokens: int = 0, aux_index: int | None = None) -> None:
+    def init(self, page_ids, num_tokens: int = 0, aux_index: int | None = None, *,
+             prefix_tokens: int = 0) -> None:
         """Send the pages decode allocated for this request (and its aux slot) to its prefill
-        node(s)."""
+        node(s). ``prefix_tokens``: the request's first tokens decode holds already (its radix
+        cache): ``page_ids`` are for the rest, which is all prefill sends."""
         context = self._context
+        if not isinstance(prefix_tokens, int) or prefix_tokens < 0:
+            raise ValueError(f"prefix_tokens must be a non-negative int, got {prefix_tokens!r}")
         try:
             self.aux_index = check_aux_index(context.aux_buffers, aux_index, "aux_index")
         except PlanError as exc:
@@ -128,7 +132,8 @@ class KVReceiver(RequestHandle):
         aux_peer = self._aux_peer()
         for peer in self.peers:
             aux = self.aux_index if peer is aux_peer else -1
-            context.send(peer.socket, protocol.RequestPages(self.room, pages.tolist(), int(num_tokens), aux))
+            context.send(peer.socket, protocol.RequestPages(self.room, pages.tolist(), int(num_tokens),
+                                                            aux, prefix_tokens))
 
     def abort(self, reason: str = "aborted by decode") -> None:
         with self._context.lock:
@@ -231,9 +236,13 @@ class KVReceiver(RequestHandle):
     # ---- failure and release -----------------------------------------------------------------
 
     def abort_locked(self, reason: str, now: float) -> None:
-        if self.page_ids is None:  # nothing was asked of any prefill node
-            if self._fail_locked(reason, now, release_after_s=0.0):
-                self.fence.nothing_sent()
+        if self.page_ids is None:  # nothing was asked of any prefill node: none can write, but
+            if self._fail_locked(reason, now, release_after_s=0.0):  # each is told at once, so
+                self.fence.nothing_sent()  # that its sender does not wait for decode's pages
+                for peer in self.peers:
+                    if peer.alive:
+                        self._context.send(peer.socket,
+                                           protocol.Abort(self.room, reason, before_pages=True))
             return
         self._fail_sent_locked(reason, now)
 

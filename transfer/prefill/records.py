@@ -47,6 +47,7 @@ class DecodeDestination:
     num_tokens: int
     received_at: float
     aux_index: int | None = None  # decode's aux slot
+    prefix_tokens: int = 0  # the request's first tokens decode holds already (not sent)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class IncomingRequest:
     num_pages: int
     num_tokens: int
     peer: str
+    prefix_tokens: int = 0  # the request's first tokens decode holds already: send the rest
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,6 +95,7 @@ class KVSender(RequestHandle):
         self.reported = False  # decode was told of the failure
         self.write_failed = False  # an engine write failed: its bytes may still land
         self.aux_index: int | None = None  # this request's aux slot, written with the last chunk
+        self.decode_prefix_tokens = 0  # tokens decode holds already: the pages sent start there
 
     def init(self, num_pages: int, aux_index: int | None = None) -> None:
         self._book.init_sender(self, num_pages, aux_index)

@@ -9,7 +9,8 @@ writer.
 - ``senders``: room -> the application's ``KVSender``, until the request is finished and no write
   of it can still run;
 - ``lost_before_sender``: room -> why and when decode's destination was lost (its decode node was
-  dropped) before the application made the request's sender: a sender made later fails at once.
+  dropped, or decode gave the request up before sending its pages) before the application made
+  the request's sender: a sender made later fails at once.
 
 One request's path: the application makes its sender (``new_sender``), ``init``s it and ``send``s
 its page ids in chunks; decode announces its pages (``announced_locked``); once both are known,
@@ -79,6 +80,7 @@ class RequestBook:
             self.senders[room] = sender
             if room in self.destinations:
                 sender.state.advance(KVPoll.WaitingForInput, time.monotonic())
+                sender.decode_prefix_tokens = self.destinations[room].prefix_tokens
             lost = self.lost_before_sender.pop(room, None)
             if lost is not None:  # its decode node was dropped before the application came
                 self._reporter.fail_locked(sender, lost.reason)
@@ -142,6 +144,9 @@ class RequestBook:
         if request.room in self.destinations:
             self._duplicate_locked(peer, request.room)
             return
+        if request.prefix_tokens < 0:
+            self._reporter.refuse(peer, request.room, f"prefix_tokens {request.prefix_tokens} < 0")
+            return
         try:
             dst = check_destination(peer.pairs, request.dst_pages)
             aux = check_aux_index([p.dst for p in peer.aux_pairs], request.aux_index,
@@ -150,12 +155,15 @@ class RequestBook:
             self._reporter.refuse(peer, request.room, f"bad pages: {exc}")
             return
         self.destinations[request.room] = DecodeDestination(peer, dst, request.num_tokens,
-                                                            time.monotonic(), aux)
+                                                            time.monotonic(), aux,
+                                                            request.prefix_tokens)
         peer.rooms.add(request.room)
         sender = self.senders.get(request.room)
         if sender is None:
-            self._incoming.put(IncomingRequest(request.room, dst.size, request.num_tokens, peer.node))
+            self._incoming.put(IncomingRequest(request.room, dst.size, request.num_tokens, peer.node,
+                                               request.prefix_tokens))
             return
+        sender.decode_prefix_tokens = request.prefix_tokens
         if sender.state.status == KVPoll.Failed:  # failed before decode's pages arrived
             self._reporter.report_failure_locked(sender, in_flight=False)
             return
@@ -185,12 +193,24 @@ class RequestBook:
             raise protocol.ProtocolError(f"abort of room {abort.room}, which another decode "
                                          f"node announced")
         sender = self.senders.get(abort.room)
+        if abort.before_pages and destination is None:  # nothing to answer: no page was asked
+            self._decode_gave_up_locked(abort.room, f"aborted by decode: {abort.reason}")
+            return
         if sender is None or destination is None:
             self.destinations.pop(abort.room, None)
             peer.rooms.discard(abort.room)
             self._reporter.refuse(peer, abort.room, f"aborted by decode: {abort.reason}")
             return
         self._reporter.fail_locked(sender, f"aborted by decode: {abort.reason}")
+
+    def _decode_gave_up_locked(self, room: int, reason: str) -> None:
+        """Decode gave ``room`` up before it sent its pages: its sender fails now, or at once
+        when the application makes it."""
+        sender = self.senders.get(room)
+        if sender is None:
+            self.lost_before_sender[room] = LostDestination(reason, time.monotonic())
+        else:
+            self._reporter.fail_locked(sender, reason)
 
     def drop_peer_locked(self, peer: DecodePeer, reason: str, now: float) -> None:
         """Fail a dropped decode node's requests and forget their destinations; their senders

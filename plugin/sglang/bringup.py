@@ -7,6 +7,8 @@ prefill that could not be reached.
 - ``bootstrap_host``: the host sglang's ``register_to_bootstrap`` would register;
 - ``pairing_problems``: why a decode rank cannot pair with a prefill, each reason naming the flag
   to change (empty when it can);
+- ``dp_route``: how a prefill request's DP rank reaches decode (registered, or computed from its
+  room, or a conflict);
 - ``PeerBackoff``: retry times after failed connections, doubling up to a bound.
 """
 
@@ -50,7 +52,7 @@ def bootstrap_host(serving_host: str, dist_init_addr: str | None) -> str:
 
 
 def pairing_problems(info: PrefillServerInfo, *, page_size: int, kv_cache_dtype: str | None,
-                     attn_tp_size: int, force_dp_query: bool) -> list[str]:
+                     attn_tp_size: int) -> list[str]:
     """Why this decode rank cannot pair with the prefill whose parallel info is ``info``, each
     reason naming the flag to change; empty when it can."""
     problems = []
@@ -71,15 +73,34 @@ def pairing_problems(info: PrefillServerInfo, *, page_size: int, kv_cache_dtype:
     if info.attn_cp_size != 1:
         problems.append(f"attention CP: prefill {info.attn_cp_size} (dsa-bridge serves "
                         "--attn-cp-size 1)")
-    if info.dp_size > 1 and not info.follow_bootstrap_room:
-        problems.append(f"the prefill has {info.dp_size} DP groups and no follow_bootstrap_room: "
-                        "decode cannot compute a request's group (run the prefill with "
-                        "--load-balance-method follow_bootstrap_room)")
-    elif info.dp_size > 1 and force_dp_query:
-        problems.append(f"the prefill has {info.dp_size} DP groups and this decode sets "
-                        "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK, a query dsa-bridge's "
-                        "prefill does not answer (unset it)")
     return problems
+
+
+@dataclass(frozen=True)
+class DPRoute:
+    """How a prefill request's DP rank reaches decode, as sglang's ``CommonKVSender`` decides it:
+    ``register`` it with the bootstrap server (``POST /register_dp_rank``, which sglang's decode
+    queries), or nothing (one DP rank, the rank given with the request, or decode computes it
+    from the room: ``follow_bootstrap_room``); ``conflict``: the request was dispatched to
+    another rank than its room implies, and fails with this reason."""
+
+    register: bool = False
+    conflict: str = ""
+
+
+def dp_route(room: int, dp_rank: int, num_dp_ranks: int, *, load_balance_method: str,
+             force_query: bool, given_dp_rank: bool) -> DPRoute:
+    """The DP route of request ``room`` on prefill DP rank ``dp_rank`` (see ``DPRoute``)."""
+    if num_dp_ranks <= 1 or given_dp_rank:
+        return DPRoute()
+    if load_balance_method != "follow_bootstrap_room" or force_query:
+        return DPRoute(register=True)
+    if dp_rank != room % num_dp_ranks:
+        return DPRoute(conflict=(
+            f"follow_bootstrap_room conflict: dispatched to dp_rank {dp_rank} but bootstrap_room "
+            f"{room} implies dp_rank {room % num_dp_ranks}. Set "
+            "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1 to allow mixed routing."))
+    return DPRoute()
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,8 @@ nodes.
 Senders and receivers built over a sglang manager (the non-DSA fallback) are sglang's own.
 Limits (refused with a message naming the flag to change, see docs/sglang.md): equal
 attention-TP widths on both sides, attention CP 1, no KV sharding, decode with one pipeline
-stage, prefill DP only when decode can compute the rank (one DP group or
-``follow_bootstrap_room``, without a forced DP-rank query), device destinations only, decode
+stage (prefill DP ranks are registered for decode's query where it cannot compute them:
+``dp_route``), device destinations only, decode
 radix-cache prefixes of whole pages (as sglang's radix cache makes them).
 """
 
@@ -93,6 +93,7 @@ from .bringup import (
     PeerBackoff,
     backend_of,
     bootstrap_host,
+    dp_route,
     pairing_problems,
     sglang_class,
 )
@@ -313,8 +314,7 @@ class DSABridgeKVManager(BaseKVManager):
             problems = pairing_problems(
                 info, page_size=self.kv_args.page_size,
                 kv_cache_dtype=getattr(self.kv_args, "kv_cache_dtype_str", None),
-                attn_tp_size=self.attn_tp_size,
-                force_dp_query=bool(envs.SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK.get()))
+                attn_tp_size=self.attn_tp_size)
         if problems:
             reason = f"dsa-bridge cannot pair with the prefill at {bootstrap_addr}: " + "; ".join(problems)
             if self.refused_prefills.get(bootstrap_addr) != reason:
@@ -325,6 +325,22 @@ class DSABridgeKVManager(BaseKVManager):
             log.info("dsa-bridge: the prefill at %s can be paired with now", bootstrap_addr)
         self.prefill_info_table[bootstrap_addr] = info
         return True
+
+    def register_dp_rank(self, bootstrap_addr: str, room: int) -> None:
+        """Tell the bootstrap server this rank's DP rank serves ``room`` (``POST
+        /register_dp_rank``), which sglang's decode queries when it cannot compute it, as
+        sglang's own senders do; a failure is logged (decode's query then waits for the room
+        until its own timeout, as with sglang's)."""
+        url = f"http://{bootstrap_addr}/register_dp_rank"
+        try:
+            response = requests.post(url, json={"bootstrap_room": room, "dp_rank": self.attn_dp_rank},
+                                     timeout=HTTP_TIMEOUT_S)
+        except requests.RequestException as exc:
+            log.error("dsa-bridge: room %s: registering its prefill DP rank failed: %s", room, exc)
+            return
+        if response.status_code != 200:
+            log.error("dsa-bridge: room %s: registering its prefill DP rank failed: %d %s", room,
+                      response.status_code, response.text)
 
     def refusal(self, bootstrap_addr: str) -> str | None:
         """Why the prefill at ``bootstrap_addr`` was refused; None when it was not."""
@@ -572,6 +588,15 @@ class DSABridgeKVSender(BaseKVSender):
         except ValueError as exc:
             self._sender = None
             self._failed = _Failed(bootstrap_room, str(exc))
+        parallel = get_parallel()
+        route = dp_route(bootstrap_room, mgr.attn_dp_rank, parallel.num_dp_ranks,
+                         load_balance_method=parallel.load_balance_method,
+                         force_query=bool(envs.SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK.get()),
+                         given_dp_rank=req_has_disagg_prefill_dp_rank)
+        if route.conflict and self._sender is not None:
+            self._sender.abort(route.conflict)
+        elif route.register:
+            mgr.register_dp_rank(bootstrap_addr, bootstrap_room)
         mgr.track_stage_status(self)
 
     def pop_decode_prefix_len(self) -> int:

@@ -383,8 +383,6 @@ def put_route(port: int, payload: dict) -> None:
     ({"page_size": 32}, r"page size: prefill 32, decode 64 \(both servers need the same --page-size\)"),
     ({"kv_cache_dtype": "bf16"}, "KV cache dtype: prefill bf16, decode fp8_e4m3 .*--kv-cache-dtype"),
     ({"attn_cp_size": 2}, r"attention CP: prefill 2 \(dsa-bridge serves --attn-cp-size 1\)"),
-    ({"attn_dp_size": 2, "load_balance_method": "round_robin"},
-     "2 DP groups and no follow_bootstrap_room: .*--load-balance-method follow_bootstrap_room"),
 ])
 def test_decode_refuses_a_prefill_it_cannot_pair_with_naming_the_flag(changes, message, caplog):
     """Never raised (sglang's prealloc queue does not catch it): False, the reason logged once,

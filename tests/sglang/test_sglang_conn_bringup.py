@@ -220,3 +220,59 @@ def test_multi_node_prefill_rank_registers_at_the_dist_init_addr_host(monkeypatc
                 manager.shutdown()
     finally:
         server.close()
+
+
+# ---- a request's prefill DP rank, found as sglang finds it --------------------------------------
+
+@pytest.mark.parametrize(("room", "dp_rank", "ranks", "method", "force", "given", "expected"), [
+    (7, 0, 1, "round_robin", False, False, (False, "")),  # one DP rank: nothing to find
+    (7, 1, 2, "follow_bootstrap_room", False, False, (False, "")),  # decode computes 7 % 2
+    (7, 1, 2, "round_robin", False, True, (False, "")),  # the request carries its rank
+    (7, 1, 2, "round_robin", False, False, (True, "")),  # decode must ask: registered
+    (7, 1, 2, "follow_bootstrap_room", True, False, (True, "")),  # asked anyway: registered
+    (8, 1, 2, "follow_bootstrap_room", False, False, (False, "conflict")),
+])
+def test_dp_route_is_sglangs_choice(room, dp_rank, ranks, method, force, given, expected):
+    route = bringup.dp_route(room, dp_rank, ranks, load_balance_method=method, force_query=force,
+                             given_dp_rank=given)
+    assert (route.register, "conflict" if route.conflict else "") == expected
+    if route.conflict:
+        assert "dispatched to dp_rank 1 but bootstrap_room 8 implies dp_rank 0" in route.conflict
+        assert "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1" in route.conflict
+
+
+def test_prefill_registers_its_dp_rank_where_decode_must_ask_and_fails_a_conflict(monkeypatch):
+    """Two DP ranks and round-robin dispatch: each sender registers its room's DP rank with the
+    bootstrap server, and sglang's own decode query (``query_prefill_dp_ranks``) finds it. Under
+    ``follow_bootstrap_room``, a request on another rank than its room implies fails at once with
+    sglang's conflict message."""
+    require_engine("nixl")
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    monkeypatch.setenv("SGLANG_HOST_IP", "127.0.0.1")
+
+    port = free_port()
+    server = conn.DSABridgeKVBootstrapServer("127.0.0.1", port)
+    addr = f"127.0.0.1:{port}"
+    try:
+        for method in ("round_robin", "follow_bootstrap_room"):
+            with published_context(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl",
+                                   disaggregation_bootstrap_port=port, host="127.0.0.1", dp_size=2,
+                                   load_balance_method=method) as sa:
+                manager = prefill_manager(sa)
+                try:
+                    manager.attn_dp_rank = 1  # this rank serves DP group 1
+                    senders = [conn.DSABridgeKVSender(manager, addr, room) for room in (40, 41)]
+                    if method == "round_robin":
+                        assert CommonKVReceiver.query_prefill_dp_ranks(addr, [40, 41, 42]) == {
+                            "40": 1, "41": 1}  # 42 was never dispatched
+                        assert [s.poll() for s in senders] == [1, 1]  # Bootstrapping
+                    else:
+                        assert [s.poll() for s in senders] == [0, 1]  # 40 % 2 == 0: not ours
+                        with pytest.raises(RuntimeError, match="follow_bootstrap_room conflict: "
+                                           "dispatched to dp_rank 1 but bootstrap_room 40"):
+                            senders[0].failure_exception()
+                finally:
+                    manager.shutdown()
+    finally:
+        server.close()

@@ -146,7 +146,9 @@ class DSABridgeKVManager(BaseKVManager):
             ("attention context parallelism (attn_cp_size > 1)", parallel.attn_cp_size > 1),
             ("KV cache sharding", bool(parallel.enable_kv_cache_sharding)),
             ("a decode side with several pipeline stages",
-             disaggregation_mode == DisaggregationMode.DECODE and self.pp_size > 1)) if on]
+             disaggregation_mode == DisaggregationMode.DECODE and self.pp_size > 1),
+            ("--disaggregation-decode-allocation-policy prefill_complete (use the default)",
+             get_disagg().disaggregation_decode_allocation_policy == "prefill_complete")) if on]
         if limits:
             raise ValueError(f"dsa-bridge's transfer does not support {', '.join(limits)} (docs/sglang.md)")
         prefill = disaggregation_mode == DisaggregationMode.PREFILL

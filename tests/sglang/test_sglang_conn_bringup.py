@@ -276,3 +276,23 @@ def test_prefill_registers_its_dp_rank_where_decode_must_ask_and_fails_a_conflic
                     manager.shutdown()
     finally:
         server.close()
+
+
+# ---- shapes refused at start-up, by name ----------------------------------------------------------
+
+@pytest.mark.parametrize(("mode", "fields", "named"), [
+    ("decode", {"disaggregation_decode_allocation_policy": "prefill_complete"},
+     "--disaggregation-decode-allocation-policy prefill_complete"),
+    ("prefill", {"disaggregation_decode_allocation_policy": "prefill_complete"},
+     "--disaggregation-decode-allocation-policy prefill_complete"),
+    ("decode", {"pp_size": 2}, "a decode side with several pipeline stages"),
+])
+def test_a_shape_dsa_bridge_does_not_serve_is_refused_at_start_up_by_name(mode, fields, named):
+    """Refused when the manager is made (sglang's scheduler start-up), never at a request: with
+    ``prefill_complete`` sglang's prefill would call ``mark_prefill_complete``, which dsa-bridge's
+    sender does not have, at the first request."""
+    with published_context(disaggregation_mode=mode, disaggregation_transfer_backend="nixl",
+                           **fields) as sa:
+        args = kv_args(BridgeDSATokenToKVPool(**DSV32))
+        with pytest.raises(ValueError, match=f"does not support {named}"):
+            conn.DSABridgeKVManager(args, DisaggregationMode(mode), sa, True)

@@ -8,7 +8,9 @@ their rooms and answers only once none of their writes can still run, so on the 
 everything after the new HelloAck belongs to the new epoch. Then per request decode sends
 ``RequestPages`` and prefill answers with one ``ChunkDone`` per chunk it wrote (the last one
 includes the request's aux slots when decode announced aux buffers and asked for a slot; each
-carries the chunk's page checksums when prefill runs with them). Either side may send ``Abort``; both send
+carries the chunk's page checksums when prefill runs with them). A chunk prefill stages (its Hello
+offered decode's ``StagingArea``) is preceded by one ``SliceWritten`` per slice it filled, each
+answered by decode with ``SliceFree`` once scattered. Either side may send ``Abort``; both send
 ``Heartbeat``. Data never travels here, only page ids, checksums and states.
 """
 
@@ -24,6 +26,8 @@ from ..plugin.descriptors import MAX_KIND_CHARS, BufferDescriptor
 # 2: layer sets: layouts carry index_layer_ids; Hello carries the indexer layers decode reads.
 # 3: sessions: Hello carries decode's session id and epoch (a re-handshake after decode marked the
 #    prefill dead), HelloAck echoes the epoch and names the rooms a failed write may still land in.
+# The staged route added only optional fields (Hello.staging, ChunkDone.slices) and two messages
+# sent only to a peer whose Hello offered a staging area: version 3 peers without it still pair.
 PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # of any message; each node's sockets take less (limits.py)
 
@@ -42,6 +46,7 @@ MAX_TOKEN_BYTES = 64  # nonces, signatures
 HASH_CHARS = 64  # sha256 hex
 MAX_ROOMS = 4096  # rooms named in one HelloAck (those of a dropped session whose failed write may land)
 MAX_AUX_BUFFERS = 64  # SGLang's metadata buffers: about ten
+MAX_SLICES = 4096  # of one staging area (256 MiB in slices of 64 KiB)
 
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
@@ -52,6 +57,15 @@ Kind = Annotated[str, msgspec.Meta(max_length=MAX_KIND_CHARS)]
 
 class ProtocolError(ValueError):
     """A message that cannot be decoded or that breaks the protocol."""
+
+
+class StagingArea(msgspec.Struct, frozen=True, array_like=True):
+    """A registered staging area of decode's for one prefill node: ``slices`` slices of
+    ``slice_bytes`` bytes from ``ptr`` (``staging.py``)."""
+
+    ptr: int
+    slice_bytes: int
+    slices: Annotated[int, msgspec.Meta(ge=1, le=MAX_SLICES)]
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
@@ -69,6 +83,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     session: Token = b""  # one per decode node: a later Hello of the same session replaces it
     epoch: int = 0  # counts decode's handshakes of this session with this prefill node
     aux_buffers: Annotated[list[BufferDescriptor], msgspec.Meta(max_length=MAX_AUX_BUFFERS)] = []
+    staging: StagingArea | None = None  # where prefill may stage this node's chunks (optional)
 
 
 class HelloAck(msgspec.Struct, frozen=True, tag="hello_ack"):
@@ -126,6 +141,24 @@ class ChunkDone(msgspec.Struct, frozen=True, tag="chunk_done"):
     write_seconds: float = 0.0
     in_flight: bool = False
     checksums: PageChecksums | None = None
+    slices: int = 0  # staging slices that carried the chunk (``SliceWritten`` before this)
+
+
+class SliceWritten(msgspec.Struct, frozen=True, tag="slice"):
+    """Prefill wrote pages ``[offset, offset + pages)`` of request ``room`` (every buffer it
+    writes, buffer-major) into decode's staging slice ``slice``: decode scatters them into its
+    pages, then frees the slice (``SliceFree``). Sent only to a node whose Hello offered one."""
+
+    room: int
+    slice: int
+    offset: int
+    pages: int
+
+
+class SliceFree(msgspec.Struct, frozen=True, tag="slice_free"):
+    """Decode has scattered these staging slices: prefill may write into them again."""
+
+    slices: Annotated[list[int], msgspec.Meta(max_length=MAX_SLICES)]
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
@@ -141,7 +174,8 @@ class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     sent_at: float
 
 
-Message = Hello | HelloAck | RequestPages | ChunkDone | Abort | Heartbeat
+Message = (Hello | HelloAck | RequestPages | ChunkDone | SliceWritten | SliceFree | Abort
+           | Heartbeat)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -110,6 +110,11 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     quarantine_expiries: Count = 0
     pages_expired: Count = 0
     peer_recoveries: Count = 0  # prefill nodes marked dead that came back through a new handshake
+    # the staged route: chunks that took it (the others took the direct route), the staging
+    # slices that carried them, and the node's registered staging area (its configured bound)
+    staged_chunks: Count = 0
+    staging_slices: Count = 0
+    staging_bytes: Count = 0
     failures: dict[Category, Count] = {}  # failed requests by category
     latency_counts: LatencyCounts = (0,) * (len(LATENCY_BUCKETS) + 1)
     latency_seconds: Seconds = 0.0  # sum of the successful requests' latencies

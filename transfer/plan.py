@@ -85,7 +85,7 @@ class WritePlan:
         return len(self.length)
 
 
-def _order(key: tuple[int, str]) -> tuple[int, int]:
+def buffer_order(key: tuple[int, str]) -> tuple[int, int]:
     """Sort (layer id, kind) by layer, then KV before indexer."""
     layer_id, kind = key
     return layer_id, CACHE_KINDS.index(kind) if kind in CACHE_KINDS else len(CACHE_KINDS)
@@ -104,7 +104,7 @@ def pair_buffers(local: Sequence[BufferDescriptor], remote: Sequence[BufferDescr
         raise PlanError("local buffers list the same (layer, cache) twice")
     every = keys is None
     pairs = []
-    for key in sorted(local_by_key if every else set(keys), key=_order):
+    for key in sorted(local_by_key if every else set(keys), key=buffer_order):
         layer, kind = key
         if key not in local_by_key:
             raise PlanError(f"this side has no {kind} buffer for layer {layer}")
@@ -122,7 +122,7 @@ def pair_buffers(local: Sequence[BufferDescriptor], remote: Sequence[BufferDescr
                 f"{src.kind} item_len of layer {src.layer_id}: local {src.item_len} != peer {dst.item_len}"
             )
         pairs.append(BufferPair(src, dst))
-    extra = sorted(by_key.keys() - local_by_key.keys(), key=_order) if every else []
+    extra = sorted(by_key.keys() - local_by_key.keys(), key=buffer_order) if every else []
     if extra:
         layer, kind = extra[0]
         raise PlanError(f"peer has a {kind} buffer for layer {layer} that this side lacks")

@@ -12,8 +12,15 @@ failure, an abort, a missed deadline, or a prefill that stopped answering. Aux b
 (``init(..., aux_index=)``) is filled by the stage that holds the last layer, and counted in that
 stage's bytes.
 
+A staging area (``staging_bytes``; ``scatter.SliceScatter``) is registered with the pool and
+split among the prefill nodes, each offered its share in its Hello: a prefill node may then send
+a chunk of many small descriptors as a few slices written there, which decode scatters into the
+request's pages (the staged route; ``staging_bytes=0``: none offered, every chunk direct).
+
 The node coordinates; its control thread routes what arrives and runs the tick:
 
+- a staged slice goes to the scatter thread (``SliceScatter.slice_written_locked``); the other
+  messages keep their order behind the slices queued before them (``in_order_locked``);
 - a chunk report goes to its request (``KVReceiver.chunk_reported_locked``); with ``checksums`` on,
   a counted chunk then goes to the verifier thread (``verify.ChunkVerifier``), which hands its
   outcome to the request (``KVReceiver.chunk_verified``); without, a last chunk completes the
@@ -45,6 +52,7 @@ from ..node_runtime import NodeRuntime
 from ..plan import as_aux_buffers
 from ..request import KVPoll
 from .receiver import KVReceiver, ReceiverContext
+from .scatter import SliceScatter
 from .sessions import Handshaker, PrefillPeer
 from .stages import StageChoice
 from .verify import ChunkVerifier
@@ -65,7 +73,8 @@ class DecodeNode:
                  heartbeat_s: float = 0.5, in_flight_grace_s: float = 35.0,
                  quarantine_timeout_s: float = 600.0,
                  secret: bytes = b"", index_reads: Iterable[int] | None = None,
-                 checksums: bool = False, aux_buffers=()):
+                 checksums: bool = False, aux_buffers=(), staging_bytes: int | None = None,
+                 slice_bytes: int | None = None):
         if not quarantine_timeout_s > 0:
             raise ValueError(f"quarantine_timeout_s must be > 0, got {quarantine_timeout_s}")
         self.pool = pool
@@ -85,20 +94,31 @@ class DecodeNode:
         self.buffers = pool_buffers(pool)
         self.aux_buffers = as_aux_buffers(aux_buffers)  # (ptr, nbytes, item_len): host memory
         page_limit = min(b.num_items for b in self.buffers)
-        self._runtime = NodeRuntime(self.name, backend, self.buffers + self.aux_buffers, self.counters,
-                                    on_message=self._on_message, on_tick=self._on_tick,
-                                    heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s)
+        endpoints = [prefill] if isinstance(prefill, str) else list(prefill)
+        self._scatter = SliceScatter(pool, self.name, self._lock, peers=len(endpoints),
+                                     send=self._send,
+                                     staging_bytes=staging_bytes, slice_bytes=slice_bytes)
+        self.counters.add(staging_bytes=self._scatter.nbytes)
+        try:
+            regions = self.buffers + self.aux_buffers + self._scatter.regions()
+            self._runtime = NodeRuntime(self.name, backend, regions, self.counters,
+                                        on_message=self._on_message, on_tick=self._on_tick,
+                                        heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s)
+        except BaseException:
+            self._scatter.close()
+            raise
         self._liveness = self._runtime.liveness
         self._loop = self._runtime.loop
-        endpoints = [prefill] if isinstance(prefill, str) else list(prefill)
         try:
             self._handshaker = Handshaker(self.name, backend, self.layout, self.buffers,
                                           self.aux_buffers, self.index_reads, secret=secret,
                                           session=self.session, counters=self.counters,
                                           socket=self._runtime.socket)
-            self.peers = [self._handshaker.connect(e, handshake_timeout_s) for e in endpoints]
+            self.peers = [self._handshaker.connect(e, handshake_timeout_s, area)
+                          for e, area in zip(endpoints, self._scatter.areas, strict=True)]
             self._stages = StageChoice(self.layout, self.peers)
         except BaseException:
+            self._scatter.close()
             self._runtime.close()
             raise
         self._context = ReceiverContext(self.name, self._lock, self.counters, self._loop.send,
@@ -124,7 +144,7 @@ class DecodeNode:
     def forget(self, receiver: KVReceiver) -> None:
         """Drop a finished request whose pages went back to the allocator."""
         with self._lock:
-            if not receiver.state.can_release(time.monotonic()):
+            if not receiver.releasable_locked(time.monotonic()):
                 raise RuntimeError(f"room {receiver.room}: pages may still be written")
             self._receivers.pop(receiver.room, None)
 
@@ -146,7 +166,7 @@ class DecodeNode:
         with self._lock:
             return sum(r.page_ids.size for r in self._receivers.values()
                        if r.page_ids is not None and r.state.status == KVPoll.Failed
-                       and not r.state.can_release(now))
+                       and not r.releasable_locked(now))
 
     def quarantined_pages(self) -> int:
         """Pages held because a prefill that may still write into them went silent."""
@@ -159,6 +179,7 @@ class DecodeNode:
         engine. Idempotent."""
         if self._runtime.closed:
             return
+        self._scatter.close()
         self._verifier.close()
         self._runtime.close()
 
@@ -177,12 +198,17 @@ class DecodeNode:
                 return
             now = time.monotonic()
             peer.last_seen = now
-            if isinstance(message, protocol.ChunkDone):
-                self._on_chunk_locked(peer, message, now)
+            if isinstance(message, protocol.SliceWritten):
+                self._scatter.slice_written_locked(peer, self._receivers.get(message.room), message)
+            elif isinstance(message, protocol.ChunkDone):  # each behind the slices before it
+                self._scatter.in_order_locked(self._on_chunk_locked, peer, message, now)
             elif isinstance(message, protocol.HelloAck):
-                self._on_ack_locked(peer, message, now)
+                self._scatter.in_order_locked(self._on_ack_locked, peer, message, now)
             elif not isinstance(message, protocol.Heartbeat):
                 raise protocol.ProtocolError(f"unexpected {type(message).__name__} from prefill")
+
+    def _send(self, sock: zmq.Socket, message: protocol.Message) -> None:
+        self._loop.send(sock, message)
 
     def _on_chunk_locked(self, peer: PrefillPeer, done: protocol.ChunkDone, now: float) -> None:
         """A chunk report goes to its request; a counted one then to the verifier, which hands

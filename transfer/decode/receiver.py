@@ -81,6 +81,7 @@ class KVReceiver(RequestHandle):
         self.write_seconds = 0.0
         self.checksums_verified = 0
         self.started_at: float | None = None
+        self.scatters = 0  # staged slices being scattered into its pages (``scatter``)
 
     @property
     def components(self) -> list[BufferKey]:
@@ -142,7 +143,11 @@ class KVReceiver(RequestHandle):
     def can_release(self) -> bool:
         """True once the request's pages may go back to the allocator (invariant 8)."""
         with self._context.lock:
-            return self.state.can_release(time.monotonic())
+            return self.releasable_locked(time.monotonic())
+
+    def releasable_locked(self, now: float) -> bool:
+        """No write into its pages can still land, and no scatter of a staged slice runs."""
+        return self.state.can_release(now) and not self.scatters
 
     # ---- what its prefill nodes report (control thread, then verifier thread) ---------------
 

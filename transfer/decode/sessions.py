@@ -104,6 +104,7 @@ class PrefillPeer:
     monitor: zmq.Socket | None = None  # the control socket's connect/disconnect events
     session: PeerSession = field(default_factory=PeerSession)
     link: ControlLink = field(default_factory=ControlLink)
+    staging: protocol.StagingArea | None = None  # our staging share it may write slices into
 
     @property
     def alive(self) -> bool:
@@ -156,13 +157,13 @@ class Handshaker:
         self._socket = socket  # a socket of a kind with a receive limit, closed with the node
         self._items = {(b.layer_id, b.kind): b.item_len for b in buffers}
 
-    def hello(self, epoch: int) -> protocol.Hello:
+    def hello(self, epoch: int, staging: protocol.StagingArea | None = None) -> protocol.Hello:
         hello = protocol.Hello(
             protocol.PROTOCOL_VERSION, self.name, self.backend_name, self.layout.to_dict(),
             self.layout.layout_hash(), self.engine_metadata, buffer_infos(self.buffers),
             list(self.index_reads), nonce=os.urandom(16), sent_at=time.time(),
             session=self.session, epoch=epoch,
-            aux_buffers=self.aux_buffers)
+            aux_buffers=self.aux_buffers, staging=staging)
         if self.secret:
             hello = msgspec.structs.replace(
                 hello, auth=auth.sign(self.secret, protocol.signed_bytes(hello)))
@@ -181,14 +182,16 @@ class Handshaker:
                             peer_hash=ack.layout_hash)
         return layout, transfer_set(layout, self.layout, self.index_reads)
 
-    def connect(self, endpoint: str, timeout_s: float) -> PrefillPeer:
-        """The first handshake (constructor thread, before the loop starts)."""
+    def connect(self, endpoint: str, timeout_s: float,
+                staging: protocol.StagingArea | None = None) -> PrefillPeer:
+        """The first handshake (constructor thread, before the loop starts), offering the
+        prefill ``staging``, our staging share for it (the staged route), when there is one."""
         host, port = parse_endpoint(endpoint, "prefill")
         sock = self._socket(zmq.DEALER, receive_limits.decode_receive_bytes(self.layout, self.buffers))
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 0)
         sock.connect(zmq_address(host, port))
-        hello = self.hello(0)
+        hello = self.hello(0, staging)
         sock.send(protocol.encode(hello))
         deadline = time.monotonic() + timeout_s
         while True:
@@ -211,11 +214,12 @@ class Handshaker:
         self.counters.add(handshakes_ok=1)
         return PrefillPeer(endpoint, ack.node, sock, time.monotonic(), layout, keys,
                            sum(self._items[key] for key in keys),
-                           monitor=sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED))
+                           monitor=sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED),
+                           staging=staging)
 
     def offer(self, peer: PrefillPeer, now: float) -> protocol.Hello:
         """The Hello of a new epoch for the dead ``peer``, for the control thread to send."""
-        peer.session.hello = self.hello(peer.session.next_epoch(now))
+        peer.session.hello = self.hello(peer.session.next_epoch(now), peer.staging)
         return peer.session.hello
 
     def answered(self, peer: PrefillPeer, ack: protocol.HelloAck, now: float) -> bool:

@@ -15,7 +15,10 @@
   ``checksums`` is on (``checksums``) and writes it through the engine together with the
   other chunks queued for that peer;
 - the writer's lane hands each chunk's outcome to the reporter (``outcomes``), which
-  reports it to decode at once through the control loop and counts it.
+  reports it to decode at once through the control loop and counts it;
+- the stager (``stager``) holds this node's registered staging area and decode's staging slices:
+  a chunk of many small descriptors goes through both (``route``: ``auto``, or forced
+  ``direct`` / ``staged``), and decode's ``SliceFree`` returns its slices.
 
 Requests decode announced that have no sender yet are offered to the application on ``incoming``.
 Aux buffers (``aux_buffers``: one slot per request in each) are paired with decode's by position; a
@@ -45,6 +48,7 @@ from .outcomes import ChunkReporter
 from .records import DecodeDestination, DecodePeer, IncomingRequest, KVSender
 from .requests import RequestBook
 from .sessions import HelloResponder, Sessions
+from .stager import Stager
 from .writer import Writer
 
 log = logging.getLogger(__name__)
@@ -64,7 +68,8 @@ class PrefillNode:
                  peer_timeout_s: float = 5.0, heartbeat_s: float = 0.5,
                  write_timeout_s: float = 30.0, secret: bytes = b"",
                  allow_insecure: bool = False, checksums: bool = False,
-                 aux_buffers=()):
+                 aux_buffers=(), route: str = "auto", staging_bytes: int | None = None,
+                 slice_bytes: int | None = None):
         host, port = parse_endpoint(listen, "listen")
         auth.check_listener(host, secret, allow_insecure)
         self.pool = pool
@@ -88,8 +93,12 @@ class PrefillNode:
         self._responder = HelloResponder(name, self.layout, backend.name, self.buffers,
                                          self.aux_buffers, secret)
         self._page_sums = ChunkChecksums(pool, self.counters, enabled=checksums)
+        self._stager = Stager(pool, backend, self._send, route=route, staging_bytes=staging_bytes,
+                              slice_bytes=slice_bytes, fence_s=write_timeout_s + 5.0)
+        self.counters.add(staging_bytes=self._stager.nbytes)
 
-        self._runtime = NodeRuntime(name, backend, self.buffers + self.aux_buffers, self.counters,
+        regions = self.buffers + self.aux_buffers + self._stager.regions()
+        self._runtime = NodeRuntime(name, backend, regions, self.counters,
                                     on_message=self._on_message, on_tick=self._on_tick,
                                     heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s)
         self._liveness = self._runtime.liveness
@@ -108,7 +117,8 @@ class PrefillNode:
             self._reporter = ChunkReporter(name, self._lock, self.counters, self._destinations,
                                            self._send)
             self._writer = Writer(backend, name=name, timeout_s=write_timeout_s,
-                                  checksums=self._page_sums, outcomes=self._reporter)
+                                  checksums=self._page_sums, outcomes=self._reporter,
+                                  routes=self._stager)
             self._requests = RequestBook(
                 name, self._lock, destinations=self._destinations, reporter=self._reporter,
                 writer=self._writer, counters=self.counters, incoming=self.incoming,
@@ -163,6 +173,12 @@ class PrefillNode:
             self._on_hello(identity, message)
             return
         with self._lock:
+            if isinstance(message, protocol.SliceFree):  # also from an epoch ended meanwhile
+                peer = self._sessions.latest(identity)
+                if peer is None:
+                    raise protocol.ProtocolError("SliceFree before a handshake")
+                self._stager.slices_freed(peer, message.slices)
+                return
             peer = self._sessions.peers.get(identity)
             if peer is None:
                 raise protocol.ProtocolError(f"{type(message).__name__} before a handshake")
@@ -193,7 +209,8 @@ class PrefillNode:
                 self._drop_peer_locked(peer, "decode re-handshaked")
             self._sessions.begin(DecodePeer(identity, hello.node, engine_peer, pairing.pairs,
                                             time.monotonic(), session=session,
-                                            aux_pairs=pairing.aux_pairs), hello)
+                                            aux_pairs=pairing.aux_pairs,
+                                            staging=pairing.staging), hello)
             for peer in ended:
                 self._disconnect_engine_locked(peer)
             self.counters.add(handshakes_ok=1)

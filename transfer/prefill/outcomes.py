@@ -26,7 +26,6 @@ from collections.abc import Callable, Mapping
 
 from .. import protocol
 from ..counters import Counters
-from ..plan import WritePlan
 from ..request import KVPoll
 from .records import DecodeDestination, DecodePeer, KVSender
 from .writer import Result
@@ -53,8 +52,7 @@ class ChunkReporter:
         sender = job.sender
         with self._lock:
             if result.ok:
-                self._chunk_written_locked(sender, job.destination, result.plan, job.chunk.last,
-                                           result.seconds, result.sums)
+                self._chunk_written_locked(sender, job.destination, result, job.chunk.last)
             elif result.reason:
                 if result.engine_failure and result.batch_index == 0:
                     self.counters.add(engine_failures=1)
@@ -88,16 +86,18 @@ class ChunkReporter:
         self._send(protocol.ChunkDone(room, 0, ok=False, last=True, reason=reason), peer.identity)
 
     def _chunk_written_locked(self, sender: KVSender, destination: DecodeDestination,
-                              plan: WritePlan, last: bool, seconds: float,
-                              sums: protocol.PageChecksums | None) -> None:
-        self.counters.record_write(seconds, plan.nbytes, plan.descriptors)
+                              result: Result, last: bool) -> None:
+        plan = result.plan
+        self.counters.record_write(result.seconds, plan.nbytes, plan.descriptors)
+        if result.slices:
+            self.counters.add(staged_chunks=1, staging_slices=result.slices)
         sender.chunks_sent += 1
         if sender.state.status == KVPoll.Failed:  # aborted while writing: already reported
             return
         self._send(protocol.ChunkDone(
             sender.room, sender.chunks_sent - 1, ok=True, last=last, nbytes=plan.nbytes,
-            descriptors=plan.descriptors, write_seconds=seconds, checksums=sums),
-            destination.peer.identity)
+            descriptors=plan.descriptors, write_seconds=result.seconds, checksums=result.sums,
+            slices=result.slices), destination.peer.identity)
         if last and sender.state.advance(KVPoll.Success, time.monotonic()):
             state = sender.state
             self.counters.request_ok(state.finished_at - (state.transferring_at or state.created))

@@ -19,6 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from ..plan import BufferPair, PairTable
+from ..protocol import StagingArea
 from ..request import TERMINAL, RequestHandle
 
 
@@ -36,6 +37,7 @@ class DecodePeer:
     dropped_senders: list[KVSender] = field(default_factory=list)  # once dropped: its rooms' senders
     dropped_at: float = 0.0
     aux_pairs: list[BufferPair] = field(default_factory=list)
+    staging: StagingArea | None = None  # decode's staging area for this node (the staged route)
 
 
 @dataclass(frozen=True, eq=False)

@@ -2,8 +2,9 @@
 
 ``HelloResponder`` checks a Hello: its proof of the shared secret and its freshness (a replay
 guard on its nonce and send time), then the peer's version, engine, layout, indexer reads and
-buffers (``handshake``), and pairs the buffers and aux buffers prefill writes with decode's. It
-builds the ``HelloAck``, signed together with the Hello's nonce when a secret is set.
+buffers (``handshake``), and pairs the buffers and aux buffers prefill writes with decode's; a
+staging area decode offers must lie clear of its buffers (``staging.check_area``). It builds the
+``HelloAck``, signed together with the Hello's nonce when a secret is set.
 
 ``Sessions`` is pure bookkeeping (time passed in): the paired decode nodes (``peers``, one
 ``DecodePeer`` per connection: an epoch of that node's session), the dropped ones
@@ -30,6 +31,7 @@ from ..handshake import (
     transfer_set,
 )
 from ..plan import AUX_KIND, BufferPair, PairTable, PlanError, pair_aux
+from ..staging import StagingError, check_area
 from .records import DecodePeer, KVSender
 
 
@@ -39,6 +41,7 @@ class Pairing:
 
     pairs: PairTable
     aux_pairs: list[BufferPair]
+    staging: protocol.StagingArea | None = None
 
 
 class HelloResponder:
@@ -69,9 +72,13 @@ class HelloResponder:
         pairs = pair_with_peer(layout, self.buffers, hello.buffers, keys)
         remote = [BufferDescriptor(i, AUX_KIND, a.ptr, a.nbytes, a.item_len)  # numbered here
                   for i, a in enumerate(hello.aux_buffers)]
+        area = hello.staging
         try:
-            return Pairing(pairs, pair_aux(self.aux_buffers, remote))
-        except PlanError as exc:
+            if area is not None:
+                check_area(area.ptr, area.slice_bytes, area.slices,
+                           [(b.ptr, b.nbytes) for b in (*hello.buffers, *hello.aux_buffers)])
+            return Pairing(pairs, pair_aux(self.aux_buffers, remote), area)
+        except (PlanError, StagingError) as exc:
             raise HandshakeError(str(exc)) from None
 
     def ack(self, hello: protocol.Hello, *, ok: bool = True, reason: str = "",
@@ -155,6 +162,13 @@ class Sessions:
         if self.dropped_peers:
             self.dropped_peers = [p for p in self.dropped_peers
                                   if any(s.busy for s in p.dropped_senders) or now - p.dropped_at <= keep_s]
+
+    def latest(self, identity: bytes) -> DecodePeer | None:
+        """The paired peer of connection ``identity``, else its latest dropped epoch."""
+        peer = self.peers.get(identity)
+        if peer is not None:
+            return peer
+        return next((p for p in reversed(self.dropped_peers) if p.identity == identity), None)
 
     def uses_engine(self, engine_peer: str) -> bool:
         return any(peer.engine_peer == engine_peer for peer in self.peers.values())

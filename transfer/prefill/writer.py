@@ -20,6 +20,11 @@ then the request counts the job in ``KVSender.busy``. The writer calls nothing e
 ``checksums`` is a ``checksums.ChunkChecksums`` and ``outcomes`` a
 ``outcomes.ChunkReporter``.
 
+Each job also gets its route when it is planned (``stager.Stager.route_for``: direct, or staged
+through both sides' staging areas for many small descriptors). A lane keeps the queue's order:
+consecutive direct jobs go out in one engine write as above, a staged job in its own slices
+(``Stager.write``); its ``Result`` carries the descriptors actually written and the slices.
+
 A lane with nothing queued for ``idle_s`` ends its thread; the next job for that peer starts a
 new one.
 """
@@ -40,6 +45,7 @@ from .. import checksum, protocol
 from ..backends.base import BackendError, TransferBackend
 from ..plan import PairTable, PlanError, WritePlan, plan_chunk
 from ..request import KVPoll
+from ..staging import DIRECT, STAGED
 from .records import Chunk, DecodeDestination, KVSender
 
 log = logging.getLogger(__name__)
@@ -71,7 +77,8 @@ class Result:
     """What became of a job. ``ok``: written (``plan``, its share of the batch's ``seconds``,
     ``sums``); else ``reason`` ("" when skipped: its request had already failed), and
     ``in_flight`` when an engine write that held it failed (its bytes may still land).
-    ``batch_index`` / ``batch_jobs``: its place in the engine write it went out in."""
+    ``batch_index`` / ``batch_jobs``: its place in the engine write it went out in; ``route``
+    and ``slices``: how it went (the staging slices it filled)."""
 
     job: Job
     ok: bool
@@ -83,6 +90,8 @@ class Result:
     engine_failure: bool = False
     batch_index: int = 0
     batch_jobs: int = 1
+    route: str = DIRECT
+    slices: int = 0
 
 
 class PageSums(Protocol):
@@ -90,6 +99,25 @@ class PageSums(Protocol):
 
     def of_chunk(self, pairs: PairTable, pages: np.ndarray,
                  offset: int) -> protocol.PageChecksums | None: ...
+
+
+class Routes(Protocol):
+    """The route of each chunk, and the staged write (``stager.Stager``)."""
+
+    def route_for(self, peer, plan: WritePlan) -> str: ...
+
+    def write(self, peer, room: int, offset: int, pages: np.ndarray, plan: WritePlan, *,
+              timeout_s: float) -> tuple[WritePlan, int]: ...
+
+
+class DirectOnly:
+    """Every chunk on the direct route (a writer without a stager)."""
+
+    def route_for(self, peer, plan: WritePlan) -> str:
+        return DIRECT
+
+    def write(self, *args, **kwargs) -> tuple[WritePlan, int]:
+        raise AssertionError("no staged route without a stager")
 
 
 class Outcomes(Protocol):
@@ -117,15 +145,18 @@ class _Planned:
     plan: WritePlan | None
     failure: str = ""
     in_flight: bool = False
+    route: str = DIRECT
 
 
-def _planned(job: Job) -> _Planned:
-    """``job`` with its plan (``plan.plan_chunk``), or with the reason it cannot be planned."""
+def _planned(job: Job, routes: Routes) -> _Planned:
+    """``job`` with its plan (``plan.plan_chunk``) and route, or with the reason it cannot be
+    planned."""
     peer, chunk = job.destination.peer, job.chunk
     try:
-        return _Planned(job, plan_chunk(peer.pairs, chunk.pages, job.dst_pages, last=chunk.last,
-                                        aux_pairs=peer.aux_pairs, aux_src=job.sender.aux_index,
-                                        aux_dst=job.destination.aux_index))
+        plan = plan_chunk(peer.pairs, chunk.pages, job.dst_pages, last=chunk.last,
+                          aux_pairs=peer.aux_pairs, aux_src=job.sender.aux_index,
+                          aux_dst=job.destination.aux_index)
+        return _Planned(job, plan, route=routes.route_for(peer, plan))
     except PlanError as exc:
         return _Planned(job, None, f"bad pages: {exc}")
     except Exception as exc:  # a bug must fail the request, not the caller
@@ -145,13 +176,15 @@ class Writer:
     job."""
 
     def __init__(self, backend: TransferBackend, *, name: str, timeout_s: float,
-                 checksums: PageSums, outcomes: Outcomes, idle_s: float = IDLE_S):
+                 checksums: PageSums, outcomes: Outcomes, idle_s: float = IDLE_S,
+                 routes: Routes | None = None):
         self.backend = backend
         self.name = name
         self.timeout_s = timeout_s
         self._checksums = checksums
         self._outcomes = outcomes
         self._idle_s = idle_s
+        self._routes = routes or DirectOnly()
         self._lock = threading.Lock()
         self._lanes: dict[str, _Lane] = {}
         self._closed = False
@@ -160,7 +193,7 @@ class Writer:
     def submit(self, job: Job) -> None:
         """Plan ``job`` and queue it on its peer's lane (starting the lane's thread if it has
         none); its outcome, a planning failure too, reaches ``outcomes`` from the lane."""
-        planned = _planned(job)
+        planned = _planned(job, self._routes)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name}: the writer is closed")
@@ -217,8 +250,9 @@ class Writer:
                 return
 
     def _write(self, peer: str, jobs: list[_Planned]) -> None:
-        """Checksum every live planned job, write them in one engine write, report each outcome."""
-        planned: list[tuple[Job, WritePlan, protocol.PageChecksums | None]] = []
+        """Checksum every live planned job and write them in queue order: consecutive direct
+        ones in one engine write, each staged one on its own; report each outcome."""
+        direct: list[tuple[Job, WritePlan, protocol.PageChecksums | None]] = []
         for entry in jobs:
             job = entry.job
             if job.sender.state.status == KVPoll.Failed:
@@ -238,7 +272,17 @@ class Writer:
                 self._report(Result(job, ok=False, in_flight=True,
                                     reason=f"internal error: {type(exc).__name__}: {exc}"))
                 continue
-            planned.append((job, entry.plan, sums))
+            if entry.route == STAGED:
+                self._write_batch(peer, direct)
+                direct = []
+                self._write_staged(job, entry.plan, sums)
+            else:
+                direct.append((job, entry.plan, sums))
+        self._write_batch(peer, direct)
+
+    def _write_batch(self, peer: str,
+                     planned: list[tuple[Job, WritePlan, protocol.PageChecksums | None]]) -> None:
+        """Write direct jobs in one engine write; report each outcome."""
         if not planned:
             return
         plans = [plan for _, plan, _ in planned]
@@ -264,6 +308,28 @@ class Writer:
         for i, (job, _, _) in enumerate(planned):
             self._report(Result(job, ok=False, reason=reason, in_flight=True, engine_failure=engine,
                                 batch_index=i, batch_jobs=len(planned)))
+
+    def _write_staged(self, job: Job, plan: WritePlan,
+                      sums: protocol.PageChecksums | None) -> None:
+        """Write one job through the staging slices (``Routes.write``); report its outcome."""
+        with self._lock:
+            self.batches += 1
+        try:
+            started = time.perf_counter()
+            written, slices = self._routes.write(
+                job.destination.peer, job.sender.room, job.chunk.offset, job.chunk.pages, plan,
+                timeout_s=self.timeout_s)
+            seconds = time.perf_counter() - started
+        except BackendError as exc:
+            self._report(Result(job, ok=False, reason=f"engine write failed: {exc}",
+                                in_flight=True, engine_failure=True, route=STAGED))
+        except Exception as exc:  # a bug must fail the request, not stop the lane
+            log.exception("%s: room %d: a staged write failed", self.name, job.sender.room)
+            self._report(Result(job, ok=False, reason=f"internal error: {type(exc).__name__}: "
+                                f"{exc}", in_flight=True, route=STAGED))
+        else:
+            self._report(Result(job, ok=True, plan=written, seconds=seconds, sums=sums,
+                                route=STAGED, slices=slices))
 
     def _report(self, result: Result) -> None:
         try:

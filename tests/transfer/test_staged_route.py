@@ -1,0 +1,217 @@
+"""The staged route over the real engines (Mooncake and NIXL, both nodes in this process): prefill
+gathers a chunk's pages into its staging area, writes it into decode's in one descriptor per slice,
+decode scatters it into its pages and frees the slice.
+
+Byte-exact KV, indexer and aux slots on fragmented and one-page-per-descriptor page lists, with
+checksums verified after the scatter; a bad page refused before any write; a slice of decode's ring
+written again only after decode scattered it (a slow scatter, more slices than the ring holds);
+a slice whose write failed kept out of the ring. The same route between processes, chosen by the
+launcher's ``--route``: tests/integration/test_two_process.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
+from dsa_bridge.transfer.backends import create_backend
+from dsa_bridge.transfer.decode import DecodeNode
+from dsa_bridge.transfer.decode.scatter import SliceScatter
+from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request, sentinel_intact
+from dsa_bridge.transfer.launcher.page_allocator import PageAllocator
+from dsa_bridge.transfer.plan import pair_buffers
+from dsa_bridge.transfer.prefill import PrefillNode
+from dsa_bridge.transfer.prefill.stager import Stager
+from dsa_bridge.transfer.request import KVPoll
+from tests.faulty import FaultyBackend
+
+from ..conftest import clear_engine_environment, require_engine
+from .helpers import SMALL_CONFIG, make_pool, wait_for
+from .test_nodes import aux_tensors, infos
+
+LAYOUT_PAGE_BYTES = 4 * (41984 + 8448)  # one page of every buffer of the 4-layer test pool
+SLICE = 2 * LAYOUT_PAGE_BYTES  # two pages a slice: a request of 20 pages needs 10 slices
+
+
+@pytest.fixture(params=["mooncake", "nixl"])
+def engine(request, monkeypatch):
+    require_engine(request.param)
+    clear_engine_environment(monkeypatch)
+    return request.param
+
+
+class Recorder(FaultyBackend):
+    """The prefill's engine: records the destination of every write, in order with decode's
+    ``SliceFree`` messages (``events``)."""
+
+    def __init__(self, inner, events: list, **kw):
+        super().__init__(inner, **kw)
+        self.events = events
+
+    def write(self, peer, src, dst, length, *, timeout_s):
+        self.events.append(("write", int(dst[0])))
+        super().write(peer, src, dst, length, timeout_s=timeout_s)
+
+
+@pytest.fixture
+def nodes(engine):
+    made = []
+
+    def build(*, slices=4, decode_slices=2, aux=False, **prefill_kw):
+        events: list = []
+        backend = Recorder(create_backend(engine), events)
+        src_aux, dst_aux = (aux_tensors(8), aux_tensors(6, fill=0xA5)) if aux else ([], [])
+        prefill = PrefillNode(make_pool(), backend, peer_timeout_s=10.0, heartbeat_s=0.1,
+                              route="staged", staging_bytes=slices * SLICE, slice_bytes=SLICE,
+                              checksums=True, aux_buffers=infos(src_aux), **prefill_kw)
+        made.append(prefill)
+        decode = DecodeNode(make_pool(size=64 * 48, sentinel=True), create_backend(engine),
+                            prefill.endpoint, peer_timeout_s=10.0, heartbeat_s=0.1, checksums=True,
+                            staging_bytes=decode_slices * SLICE, slice_bytes=SLICE,
+                            aux_buffers=infos(dst_aux))
+        made.append(decode)
+        return prefill, decode, backend, (src_aux, dst_aux)
+
+    yield build
+    for node in reversed(made):
+        node.close()
+
+
+def run(prefill, decode, room, src, dst, *, chunks=1, aux=None):
+    src, dst = np.asarray(src), np.asarray(dst)
+    fill_request(prefill.pool, room, src)
+    receiver = decode.receiver(room)
+    receiver.init(dst, num_tokens=dst.size * 64, aux_index=None if aux is None else aux[1])
+    sender = prefill.sender(room)
+    sender.init(src.size, aux_index=None if aux is None else aux[0])
+    for chunk in np.array_split(src, chunks):
+        sender.send(chunk)
+    wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), 60, "request end")
+    return sender, receiver
+
+
+PATTERNS = {
+    # both sides from an allocator's shuffled free list, independently
+    "fragmented": (PageAllocator(32, seed=3).alloc(20), PageAllocator(48, seed=4).alloc(20)),
+    # every page its own descriptor on the direct route
+    "per_page": (np.arange(1, 31, 3), np.arange(2, 22, 2)),
+}
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_staged_requests_land_byte_exact_kv_indexer_and_aux(nodes, pattern):
+    prefill, decode, backend, (src_aux, dst_aux) = nodes(aux=True)
+    src, dst = PATTERNS[pattern]
+    sender, receiver = run(prefill, decode, 1, src, dst, chunks=3, aux=(7, 4))
+    assert receiver.poll() == KVPoll.Success, receiver.failure_exception()
+    assert count_mismatches(decode.pool, 1, dst) == 0
+    assert sentinel_intact(decode.pool, np.setdiff1d(np.arange(1, decode.pool.num_kv_pages), dst))
+    for a, b in zip(src_aux, dst_aux, strict=True):
+        assert np.array_equal(b[4], a[7])
+        assert (np.delete(b, 4, axis=0) == 0xA5).all()
+    assert receiver.nbytes == dst.size * LAYOUT_PAGE_BYTES + 64 + 512
+    assert receiver.checksums_verified == dst.size * 8
+    slices = -(-np.array([c.size for c in np.array_split(src, 3)]) // 2)  # 2 pages a slice
+    assert receiver.descriptors == slices.sum() + 2  # one per slice, one per aux slot
+    wait_for(lambda: sender.poll() == KVPoll.Success)
+    counts = prefill.counters.snapshot()
+    assert (counts["staged_chunks"], counts["staging_slices"]) == (3, slices.sum())
+    assert counts["staging_bytes"] == 4 * SLICE
+    assert decode.counters.snapshot()["staging_bytes"] == 2 * SLICE
+    assert wait_for(receiver.can_release)
+
+
+def test_a_bad_page_is_refused_before_any_byte_moves(nodes):
+    prefill, decode, backend, _ = nodes()
+    fill_request(prefill.pool, 2, np.array([3, 4]))
+    receiver = decode.receiver(2)
+    receiver.init(np.array([5, 6, 7]))
+    sender = prefill.sender(2)
+    sender.init(3)
+    sender.send(np.array([3, 4, 9999]))
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, 30, "the refusal")
+    assert "bad pages" in str(receiver.failure_exception())
+    assert backend.events == []  # no engine write at all
+    assert sentinel_intact(decode.pool, np.arange(1, decode.pool.num_kv_pages))
+
+
+def test_a_slice_is_written_again_only_after_decode_scattered_it(nodes, monkeypatch):
+    """Ten slices' worth of pages through a ring of two, each scatter slowed to 50 ms: every
+    write into a slice after its first follows decode's SliceFree of it."""
+    scatter = SliceScatter._scatter
+
+    def slow(self, peer, receiver, written):
+        time.sleep(0.05)
+        scatter(self, peer, receiver, written)
+
+    monkeypatch.setattr(SliceScatter, "_scatter", slow)
+    prefill, decode, backend, _ = nodes(slices=2, decode_slices=2)
+    area = decode.peers[0].staging
+    sent = decode._loop.send
+    lock = threading.Lock()
+
+    def record(sock, message):
+        if type(message).__name__ == "SliceFree":
+            with lock:
+                backend.events.extend(("free", area.ptr + s * area.slice_bytes)
+                                       for s in message.slices)
+        sent(sock, message)
+
+    monkeypatch.setattr(decode._loop, "send", record)
+    src, dst = PageAllocator(32, seed=5).alloc(20), PageAllocator(48, seed=6).alloc(20)
+    _, receiver = run(prefill, decode, 3, src, dst)
+    assert receiver.poll() == KVPoll.Success, receiver.failure_exception()
+    assert count_mismatches(decode.pool, 3, dst) == 0
+    writes, frees = {}, {}
+    for kind, address in list(backend.events):
+        if kind == "write":
+            assert writes.get(address, 0) == frees.get(address, 0), \
+                f"slice at {address:#x} written again before decode freed it"
+            writes[address] = writes.get(address, 0) + 1
+        else:
+            frees[address] = frees.get(address, 0) + 1
+    assert sum(writes.values()) == 10 and len(writes) == 2
+
+
+def test_a_failed_write_keeps_its_slice_fenced(nodes):
+    prefill, decode, backend, _ = nodes(slices=2, decode_slices=2, write_timeout_s=5.0)
+    backend.fail_every = 1
+    _, failed = run(prefill, decode, 4, [3, 4], [5, 6])
+    assert failed.poll() == KVPoll.Failed
+    assert "injected failure" in str(failed.failure_exception())
+    ring = next(iter(prefill._stager._rings.values()))
+    (fenced, until), = ring.fenced.items()
+    assert until > time.monotonic() + 5.0  # the write timeout and a margin
+    backend.fail_every = 0
+    area = decode.peers[0].staging
+    backend.events.clear()
+    src, dst = PageAllocator(32, seed=7).alloc(8), PageAllocator(48, seed=8).alloc(8)
+    _, receiver = run(prefill, decode, 5, src, dst)
+    assert receiver.poll() == KVPoll.Success, receiver.failure_exception()
+    assert count_mismatches(decode.pool, 5, dst) == 0
+    targets = {address for _, address in backend.events}
+    assert targets == {area.ptr + (1 - fenced) * area.slice_bytes}  # never the fenced slice
+    assert ring.fenced == {fenced: until}
+
+
+@pytest.mark.gpu
+def test_gather_runs_on_the_pool_device():
+    """A CUDA pool's pages are gathered into a CUDA staging area, buffer-major."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pool = DSATokenToKVPool.from_layout(DSALayout.from_hf_config(SMALL_CONFIG), 64 * 32,
+                                        device="cuda")
+    fill_request(pool, 1, np.array([7, 2]))
+    stager = Stager(pool, None, None, route="staged", staging_bytes=4 * SLICE, slice_bytes=SLICE)
+    pairs = pair_buffers(pool.buffer_descriptors(), pool.buffer_descriptors())
+    nbytes = stager._gather(1, pairs, np.array([7, 2]))
+    area = stager._area[SLICE:SLICE + nbytes]
+    assert area.is_cuda and nbytes == 2 * LAYOUT_PAGE_BYTES
+    index = torch.tensor([7, 2], device="cuda")
+    expected = torch.cat([pool.page_view(p.src.layer_id, p.src.kind).index_select(0, index).flatten()
+                          for p in pairs])
+    assert torch.equal(area, expected)

@@ -1,0 +1,171 @@
+"""The decode side of the staged route: this node's registered staging area, each prefill node's
+share of it, and the thread that scatters staged slices into the pool.
+
+``SliceScatter`` allocates one staging area on the pool's device (``staging.staging_size``),
+registered with the node's other regions, and splits it into one share per prefill node
+(``staging.split_area``), offered in that node's Hello (``protocol.StagingArea``). A prefill node
+writes a group of a request's pages (every buffer it writes, buffer-major: ``staging.slice_offsets``)
+into a slice of its share and reports it (``SliceWritten``); the control thread checks the report
+against the share and the request (``slice_written_locked``: a slice of the share, pages within
+the request; ProtocolError otherwise) and queues it. The scatter thread, in arrival order, copies
+the slice into the request's pages (``index_copy_`` on the pool's device), then frees the slice
+(``SliceFree``). A request that has ended meanwhile gets nothing; its slice is freed all the same.
+
+While a scatter into a request's pages may run, the request counts it (``KVReceiver.scatters``)
+and its pages are not released. The node's other messages keep their order behind the slices
+(``in_order_locked``): handled at once when no slice waits, else queued and handled by the scatter
+thread (with the node's lock) once the slices before them are scattered. A staged chunk's report
+thus counts, and its checksums are verified, over the pages as the scatter left them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import zmq
+
+from ...plugin.descriptors import BufferDescriptor, raw_region
+from .. import protocol
+from ..plan import buffer_order
+from ..request import TERMINAL
+from ..staging import slice_offsets, split_area, staging_size
+from .receiver import KVReceiver
+from .sessions import PrefillPeer
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[PrefillPeer, protocol.Message, float], None]  # called with the node's lock
+
+
+class SliceScatter:
+    """Decode's staging area and its scatter thread (module docstring)."""
+
+    def __init__(self, pool, name: str, lock: threading.Lock, *, peers: int,
+                 send: Callable[[zmq.Socket, protocol.Message], None],
+                 staging_bytes: int | None = None, slice_bytes: int | None = None):
+        pool_bytes = sum(b.nbytes for b in pool.buffer_descriptors())
+        self.nbytes, self.slice_bytes = staging_size(staging_bytes, pool_bytes, slice_bytes, peers)
+        self._pool = pool
+        self._lock = lock
+        self._send = send
+        self._pending = 0  # jobs queued or running (node's lock)
+        self._views = {(d.layer_id, d.kind): pool.page_view(d.layer_id, d.kind)
+                       for d in pool.buffer_descriptors()}
+        self._area = torch.empty(self.nbytes, dtype=torch.uint8, device=pool.device) \
+            if self.nbytes else None
+        self.areas: list[protocol.StagingArea | None] = [None] * peers
+        if self._area is not None:
+            self.areas = [protocol.StagingArea(self._area.data_ptr() + offset, self.slice_bytes,
+                                               slices)
+                          for offset, slices in split_area(self.nbytes, self.slice_bytes, peers)]
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-scatter", daemon=True)
+        self._thread.start()
+
+    def regions(self) -> list[BufferDescriptor]:
+        """The staging area to register with the engine (none when staging is off)."""
+        if self._area is None:
+            return []
+        return [raw_region(self._area.data_ptr(), self.nbytes, str(self._area.device))]
+
+    # ---- the control thread (node's lock held) ----------------------------------------------
+
+    def slice_written_locked(self, peer: PrefillPeer, receiver: KVReceiver | None,
+                             written: protocol.SliceWritten) -> None:
+        """``peer`` filled a slice for ``receiver`` (None: a request no longer known here)."""
+        area = peer.staging
+        if area is None or not 0 <= written.slice < area.slices:
+            raise protocol.ProtocolError(f"slice {written.slice} is not one of prefill "
+                                         f"{peer.endpoint}'s staging slices")
+        if receiver is None or receiver.state.status in TERMINAL:
+            self._queue_locked((peer, None, written))  # nothing to scatter: the slice to free
+            return
+        pages = receiver.page_ids.size if receiver.page_ids is not None else 0
+        if (peer not in receiver.peers or written.pages < 1 or written.offset < 0
+                or written.offset + written.pages > pages
+                or written.pages * peer.page_bytes > area.slice_bytes):
+            raise protocol.ProtocolError(
+                f"room {written.room}: slice of pages {written.offset}+{written.pages} does not "
+                f"fit the request's {pages} pages or the slice")
+        receiver.scatters += 1
+        self._queue_locked((peer, receiver, written))
+
+    def in_order_locked(self, handler: Handler, peer: PrefillPeer, message: protocol.Message,
+                        now: float) -> None:
+        """``handler(peer, message, now)`` now if no slice waits, else once they are scattered."""
+        if self._pending:
+            self._queue_locked((peer, handler, message))
+        else:
+            handler(peer, message, now)
+
+    def _queue_locked(self, job: tuple) -> None:
+        self._pending += 1
+        self._jobs.put(job)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+
+    # ---- the scatter thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            peer, receiver, message = job
+            try:
+                if isinstance(message, protocol.SliceWritten):
+                    self._slice(peer, receiver, message)
+                else:
+                    with self._lock:
+                        receiver(peer, message, time.monotonic())  # a deferred handler
+            except protocol.ProtocolError as exc:
+                log.warning("dropped a message from prefill %s: %s", peer.endpoint, exc)
+            except Exception:  # a bug must not stop the thread
+                log.exception("handling a %s from prefill %s failed", type(message).__name__,
+                              peer.endpoint)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+    def _slice(self, peer: PrefillPeer, receiver: KVReceiver | None,
+               written: protocol.SliceWritten) -> None:
+        """Scatter a slice (unless its request is gone), then free it; a failed scatter fails
+        its request."""
+        try:
+            if receiver is not None:
+                self._scatter(peer, receiver, written)
+        except Exception as exc:
+            log.exception("room %d: scattering a staged slice failed", written.room)
+            with self._lock:
+                receiver.abort_locked(f"internal error scattering a staged slice: "
+                                      f"{type(exc).__name__}: {exc}", time.monotonic())
+        self._send(peer.socket, protocol.SliceFree([written.slice]))
+
+    def _scatter(self, peer: PrefillPeer, receiver: KVReceiver,
+                 written: protocol.SliceWritten) -> None:
+        """Copy the slice into the request's pages (unless it ended meanwhile)."""
+        try:
+            with self._lock:
+                if receiver.state.status in TERMINAL:
+                    return
+            pages = receiver.page_ids[written.offset:written.offset + written.pages]
+            keys = sorted(peer.keys, key=buffer_order)
+            offsets = slice_offsets([self._views[key].shape[1] for key in keys], pages.size)
+            base = peer.staging.ptr - self._area.data_ptr() + written.slice * peer.staging.slice_bytes
+            index = torch.from_numpy(np.ascontiguousarray(pages)).to(self._area.device)
+            for i, key in enumerate(keys):
+                part = self._area[base + offsets[i]:base + offsets[i + 1]].view(pages.size, -1)
+                self._views[key].index_copy_(0, index, part)
+            if self._area.is_cuda:  # the slice is read before prefill may write it again
+                torch.cuda.current_stream(self._area.device).synchronize()
+        finally:
+            with self._lock:
+                receiver.scatters -= 1

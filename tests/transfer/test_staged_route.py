@@ -23,10 +23,12 @@ from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.decode.scatter import SliceScatter
 from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request, sentinel_intact
 from dsa_bridge.transfer.launcher.page_allocator import PageAllocator
+from dsa_bridge.transfer.metrics import stats_metrics
 from dsa_bridge.transfer.plan import pair_buffers
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.prefill.stager import Stager
 from dsa_bridge.transfer.request import KVPoll
+from dsa_bridge.transfer.staging import Thresholds
 from tests.faulty import FaultyBackend
 
 from ..conftest import clear_engine_environment, require_engine
@@ -121,7 +123,13 @@ def test_staged_requests_land_byte_exact_kv_indexer_and_aux(nodes, pattern):
     counts = prefill.counters.snapshot()
     assert (counts["staged_chunks"], counts["staging_slices"]) == (3, slices.sum())
     assert counts["staging_bytes"] == 4 * SLICE
-    assert decode.counters.snapshot()["staging_bytes"] == 2 * SLICE
+    decoded = decode.counters.snapshot()
+    assert (decoded["staged_chunks"], decoded["staging_slices"]) == (3, slices.sum())
+    assert decoded["staging_bytes"] == 2 * SLICE
+    families = {f.name: f for f in stats_metrics(prefill.counters.stats(), "prefill")}
+    assert {s.labels["route"]: s.value for s in families["dsa_bridge_route_chunks"].samples} == {
+        "direct": 0, "staged": 3}
+    assert families["dsa_bridge_staging_bytes"].samples[0].value == 4 * SLICE
     assert wait_for(receiver.can_release)
 
 
@@ -206,7 +214,8 @@ def test_gather_runs_on_the_pool_device():
     pool = DSATokenToKVPool.from_layout(DSALayout.from_hf_config(SMALL_CONFIG), 64 * 32,
                                         device="cuda")
     fill_request(pool, 1, np.array([7, 2]))
-    stager = Stager(pool, None, None, route="staged", staging_bytes=4 * SLICE, slice_bytes=SLICE)
+    stager = Stager(pool, None, None, route="staged", staging_bytes=4 * SLICE, slice_bytes=SLICE,
+                    thresholds=Thresholds())
     pairs = pair_buffers(pool.buffer_descriptors(), pool.buffer_descriptors())
     nbytes = stager._gather(1, pairs, np.array([7, 2]))
     area = stager._area[SLICE:SLICE + nbytes]

@@ -171,6 +171,8 @@ class KVReceiver(RequestHandle):
         self.write_seconds += done.write_seconds
         self.parts.chunk(peer.endpoint, done.nbytes)
         context.counters.record_write(done.write_seconds, done.nbytes, done.descriptors)
+        if done.slices:
+            context.counters.add(staged_chunks=1, staging_slices=done.slices)
         self.state.advance(KVPoll.Transferring, now)
         return True
 

@@ -25,6 +25,7 @@ from ..auth import load_secret
 from ..backends.base import BackendError
 from ..bench.command import add_bench_parser, run_bench
 from ..metrics import metrics_port
+from ..staging import MIB, ROUTES
 from . import options
 from .demo import run_demo
 from .options import (
@@ -72,6 +73,9 @@ def add_node_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checksums", action=argparse.BooleanOptionalAction, default=False,
                         help="end-to-end page checksums: prefill sends one per page of every "
                              "buffer, decode verifies them before a request succeeds")
+    parser.add_argument("--staging-mib", type=non_negative_int,
+                        help="staging area for the staged route, registered at start (default: "
+                             "256, or the pool's size if smaller; 0: none, every chunk direct)")
 
 
 def add_metrics_options(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +83,10 @@ def add_metrics_options(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus metrics on this port (default 0: off)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="address the metrics endpoint binds (default 127.0.0.1)")
+
+
+def staging_bytes(mib: int | None) -> int | None:
+    return None if mib is None else mib * MIB
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_argument("--summary-file", type=output_file,
                          help="at exit, write here the counters, the stand-in's fill time and "
                               "when each request's pages were ready (time.monotonic())")
+    prefill.add_argument("--route", default="auto", choices=ROUTES,
+                         help="auto (default): a chunk of many small descriptors goes through "
+                              "both nodes' staging areas, others directly; or force either")
     add_metrics_options(prefill)
 
     decode = sub.add_parser("decode", help="run verified requests against a prefill node")
@@ -216,7 +227,8 @@ def cmd_prefill(args) -> int:
     node = PrefillNode(pool, backend, listen=args.listen,
                        request_timeout_s=args.request_timeout, peer_timeout_s=args.peer_timeout,
                        secret=load_secret(args.secret_file), allow_insecure=args.insecure,
-                       checksums=args.checksums)
+                       checksums=args.checksums, route=args.route,
+                       staging_bytes=staging_bytes(args.staging_mib))
     exporter = None
     # each room's ready time only for a summary file (the demo's): a long-lived node keeps none
     report = PrefillReport(ready_at={} if args.summary_file else None)
@@ -265,7 +277,8 @@ def cmd_decode(args) -> int:
                     request_timeout_s=args.request_timeout, peer_timeout_s=args.peer_timeout,
                     quarantine_timeout_s=args.quarantine_timeout,
                     secret=load_secret(args.secret_file), index_reads=reads,
-                    checksums=args.checksums) as node, \
+                    checksums=args.checksums,
+                    staging_bytes=staging_bytes(args.staging_mib)) as node, \
             metrics.serving(node, "decode", args.metrics_host, args.metrics_port):
         lengths = request_lengths(args.requests, pool.page_size,
                                   min(args.max_tokens, args.pool_tokens), args.seed)

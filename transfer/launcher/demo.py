@@ -31,6 +31,8 @@ def node_arguments(args) -> list[str]:
         arguments += ["--secret-file", args.secret_file]
     if args.checksums:
         arguments.append("--checksums")
+    if args.staging_mib is not None:
+        arguments += ["--staging-mib", str(args.staging_mib)]
     return arguments
 
 

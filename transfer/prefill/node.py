@@ -43,6 +43,7 @@ from ..counters import Counters
 from ..handshake import HandshakeError, pool_buffers
 from ..node_runtime import NodeRuntime
 from ..plan import as_aux_buffers
+from ..staging import check_route
 from .checksums import ChunkChecksums
 from .outcomes import ChunkReporter
 from .records import DecodeDestination, DecodePeer, IncomingRequest, KVSender
@@ -147,6 +148,16 @@ class PrefillNode:
     @checksums.setter
     def checksums(self, enabled: bool) -> None:
         self._page_sums.enabled = enabled
+
+    @property
+    def route(self) -> str:
+        """How chunks go: ``auto`` (staged for many small descriptors), ``direct`` or ``staged``
+        (may change between requests)."""
+        return self._stager.route
+
+    @route.setter
+    def route(self, route: str) -> None:
+        self._stager.route = check_route(route)
 
     def close(self) -> None:
         """Let the writer's lanes finish (their outcomes still reach decode), then close the

@@ -40,10 +40,12 @@ from ..staging import (
     SliceRing,
     StagingError,
     Thresholds,
+    check_route,
     choose_route,
     slice_groups,
     slice_offsets,
     staging_size,
+    thresholds_for,
 )
 from .records import DecodePeer
 
@@ -60,11 +62,10 @@ class Stager:
     def __init__(self, pool, backend: TransferBackend, send: Send, *, route: str = "auto",
                  staging_bytes: int | None = None, slice_bytes: int | None = None,
                  thresholds: Thresholds | None = None, fence_s: float = 35.0):
-        choose_route(route, 0, 0, Thresholds())  # refuses an unknown route
         pool_bytes = sum(b.nbytes for b in pool.buffer_descriptors())
         self.nbytes, self.slice_bytes = staging_size(staging_bytes, pool_bytes, slice_bytes)
-        self.route = route
-        self.thresholds = thresholds or Thresholds()
+        self.route = check_route(route)
+        self.thresholds = thresholds or thresholds_for(backend.name)
         self.fence_s = fence_s
         self._pool = pool
         self._backend = backend

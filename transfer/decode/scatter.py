@@ -3,13 +3,14 @@ share of it, and the thread that scatters staged slices into the pool.
 
 ``SliceScatter`` allocates one staging area on the pool's device (``staging.staging_size``),
 registered with the node's other regions, and splits it into one share per prefill node
-(``staging.split_area``), offered in that node's Hello (``protocol.StagingArea``). A prefill node
-writes a group of a request's pages (every buffer it writes, buffer-major: ``staging.slice_offsets``)
-into a slice of its share and reports it (``SliceWritten``); the control thread checks the report
-against the share and the request (``slice_written_locked``: a slice of the share, pages within
-the request; ProtocolError otherwise) and queues it. The scatter thread, in arrival order, copies
-the slice into the request's pages (``index_copy_`` on the pool's device), then frees the slice
-(``SliceFree``). A request that has ended meanwhile gets nothing; its slice is freed all the same.
+(``staging.split_area``), offered in that node's Hello (``protocol.StagingArea``). A prefill
+node writes a group of a request's pages (every buffer it writes, buffer-major:
+``staging.slice_offsets``) into a slice of its share and reports it (``SliceWritten``); the
+control thread checks the report against the share and the request (``slice_written_locked``: a
+slice of the share, pages within the request; ProtocolError otherwise) and queues it. The scatter
+thread, in arrival order, copies the slice into the request's pages (``slices.scatter``, on the
+pool's device), then frees the slice (``SliceFree``). A request that has ended meanwhile gets
+nothing; its slice is freed all the same.
 
 While a scatter into a request's pages may run, the request counts it (``KVReceiver.scatters``)
 and its pages are not released. The node's other messages keep their order behind the slices
@@ -26,7 +27,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 import zmq
 
@@ -34,6 +34,7 @@ from ...plugin.descriptors import BufferDescriptor, raw_region
 from .. import protocol
 from ..plan import buffer_order
 from ..request import TERMINAL
+from ..slices import device_pages, scatter
 from ..staging import slice_offsets, split_area, staging_size
 from .receiver import KVReceiver
 from .sessions import PrefillPeer
@@ -159,11 +160,11 @@ class SliceScatter:
             pages = receiver.page_ids[written.offset:written.offset + written.pages]
             keys = sorted(peer.keys, key=buffer_order)
             offsets = slice_offsets([self._views[key].shape[1] for key in keys], pages.size)
-            base = peer.staging.ptr - self._area.data_ptr() + written.slice * peer.staging.slice_bytes
-            index = torch.from_numpy(np.ascontiguousarray(pages)).to(self._area.device)
+            area = peer.staging
+            offsets += area.ptr - self._area.data_ptr() + written.slice * area.slice_bytes
+            index = device_pages(pages, self._area.device)
             for i, key in enumerate(keys):
-                part = self._area[base + offsets[i]:base + offsets[i + 1]].view(pages.size, -1)
-                self._views[key].index_copy_(0, index, part)
+                scatter(self._area[offsets[i]:offsets[i + 1]], self._views[key], pages, index)
             if self._area.is_cuda:  # the slice is read before prefill may write it again
                 torch.cuda.current_stream(self._area.device).synchronize()
         finally:

@@ -165,6 +165,7 @@ class PrefillNode:
         if self._runtime.closed:
             return
         self._writer.close(self.write_timeout_s + 5)
+        self._stager.close()
         self._runtime.close()
 
     def __enter__(self) -> PrefillNode:

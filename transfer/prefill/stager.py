@@ -9,11 +9,12 @@ plans it (``staging.choose_route``: its descriptor count and sizes, or the node'
 direct whenever either side has no staging, or one page of every buffer does not fit a slice).
 
 ``write`` sends one chunk on the staged route, in the writer lane's thread. For each group of its
-pages that fills a slice (``staging.slice_groups``): take a slice of this node's area and one of
-decode's (waiting, within the write's timeout, for decode to free one), gather the group's pages
-of every buffer into the local slice (``torch.index_select`` on the pool's device), write the
-slice into decode's slice in one engine descriptor (the last group carries the chunk's aux slots
-as their own descriptors, straight into decode's aux slots), and send ``SliceWritten`` so that
+pages that fills a slice (``staging.slice_groups``): take a slice of this node's area, gather the
+group's pages of every buffer into it (``slices.gather``, on the pool's device, in the gather
+thread: the next group's gather runs while this group is written, when a local slice is free),
+take one of decode's (waiting, within the write's timeout, for decode to free one), write the
+local slice into it in one engine descriptor (the last group carries the chunk's aux slots as
+their own descriptors, straight into decode's aux slots), and send ``SliceWritten`` so that
 decode scatters it. Decode's ``SliceFree`` (``slices_freed``, control thread) returns a slice to
 its ring. A slice whose write failed stays out of its ring for ``fence_s`` (its bytes may still
 land; a later write into it could otherwise be overwritten before decode scatters it).
@@ -27,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -35,6 +37,7 @@ from ...plugin.descriptors import BufferDescriptor, raw_region
 from .. import protocol
 from ..backends.base import BackendError, TransferBackend
 from ..plan import PairTable, WritePlan
+from ..slices import device_pages, gather
 from ..staging import (
     DIRECT,
     SliceRing,
@@ -76,6 +79,7 @@ class Stager:
         self._rings: dict[tuple[str, int], SliceRing] = {}
         self._changed = threading.Condition()
         self._views: dict | None = None
+        self._gathers = ThreadPoolExecutor(1, thread_name_prefix="stager-gather")
 
     def regions(self) -> list[BufferDescriptor]:
         """The staging area to register with the engine (none when staging is off)."""
@@ -107,37 +111,71 @@ class Stager:
         except StagingError as exc:
             raise BackendError(self._backend.name, "write", str(exc), peer=peer.engine_peer) from exc
         ring = self._ring(peer)
-        aux = slice(plan.runs * len(pairs), None)  # the aux slots' descriptors, after the pages'
         deadline = time.monotonic() + timeout_s
         written: list[tuple[np.ndarray, ...]] = []
-        for number, (start, count) in enumerate(groups):
-            local = self._take(self._local, deadline, "this node's", peer.engine_peer)
-            try:
-                remote = self._take(ring, deadline, "decode's", peer.engine_peer)
-                nbytes = self._gather(local, pairs, pages[start:start + count])
-                if self._area.is_cuda:  # the engine reads the slice once the gather has run
-                    torch.cuda.current_stream(self._area.device).synchronize()
-                src = [self._area.data_ptr() + local * self.slice_bytes]
-                dst = [area.ptr + remote * area.slice_bytes]
-                arrays = tuple(np.array(v, dtype=np.uint64) for v in (src, dst, [nbytes]))
-                if number == len(groups) - 1:
-                    arrays = tuple(np.concatenate((a, getattr(plan, key)[aux]))
-                                   for a, key in zip(arrays, ("src", "dst", "length"), strict=True))
+        gathering: tuple[int, Future] | None = None
+        try:
+            for number, (start, count) in enumerate(groups):
+                if gathering is None:
+                    local = self._take(self._local, deadline, "this node's", peer.engine_peer)
+                    gathering = local, self._gathers.submit(self._gather, local, pairs,
+                                                            pages[start:start + count])
+                local, gathered = gathering
+                gathering = None
                 try:
-                    self._backend.write(peer.engine_peer, *arrays,
-                                        timeout_s=max(1e-3, deadline - time.monotonic()))
-                except BaseException:
-                    with self._changed:
-                        ring.fence(remote, time.monotonic() + self.fence_s)
-                    raise
-            finally:
-                with self._changed:
-                    self._local.release(local)
-                    self._changed.notify_all()
-            written.append(arrays)
-            self._send(protocol.SliceWritten(room, remote, offset + start, count), peer.identity)
+                    nbytes = gathered.result()
+                    if number + 1 < len(groups):  # the next gather overlaps this write
+                        gathering = self._prefetch(pairs, pages, groups[number + 1])
+                    remote = self._take(ring, deadline, "decode's", peer.engine_peer)
+                    arrays = self._slice_write(peer, local, remote, nbytes, deadline,
+                                               plan if number == len(groups) - 1 else None)
+                finally:
+                    self._release(local)
+                written.append(arrays)
+                self._send(protocol.SliceWritten(room, remote, offset + start, count),
+                           peer.identity)
+        finally:
+            if gathering is not None:  # a write failed: let its next gather end first
+                wait([gathering[1]])
+                self._release(gathering[0])
         joined = [np.concatenate([w[i] for w in written]) for i in range(3)]
         return WritePlan(*joined, runs=plan.runs), len(groups)
+
+    def _slice_write(self, peer: DecodePeer, local: int, remote: int, nbytes: int,
+                     deadline: float, last: WritePlan | None) -> tuple[np.ndarray, ...]:
+        """Write local slice ``local`` into decode's slice ``remote`` (with ``last``, the plan of
+        a chunk's last group, its aux slots' descriptors too); a failure fences ``remote``."""
+        area = peer.staging
+        src = [self._area.data_ptr() + local * self.slice_bytes]
+        arrays = tuple(np.array(v, dtype=np.uint64)
+                       for v in (src, [area.ptr + remote * area.slice_bytes], [nbytes]))
+        if last is not None:
+            aux = slice(last.runs * len(peer.pairs), None)  # after the pages' descriptors
+            arrays = tuple(np.concatenate((a, getattr(last, key)[aux]))
+                           for a, key in zip(arrays, ("src", "dst", "length"), strict=True))
+        try:
+            self._backend.write(peer.engine_peer, *arrays,
+                                timeout_s=max(1e-3, deadline - time.monotonic()))
+        except BaseException:
+            with self._changed:
+                self._ring(peer).fence(remote, time.monotonic() + self.fence_s)
+            raise
+        return arrays
+
+    def _prefetch(self, pairs: PairTable, pages: np.ndarray,
+                  group: tuple[int, int]) -> tuple[int, Future] | None:
+        """The gather of ``group`` started into a free local slice; None if none is free now."""
+        with self._changed:
+            local = self._local.take(time.monotonic())
+        if local is None:
+            return None
+        start, count = group
+        return local, self._gathers.submit(self._gather, local, pairs, pages[start:start + count])
+
+    def _release(self, local: int) -> None:
+        with self._changed:
+            self._local.release(local)
+            self._changed.notify_all()
 
     def _take(self, ring: SliceRing, deadline: float, whose: str, engine_peer: str) -> int:
         with self._changed:
@@ -156,13 +194,18 @@ class Stager:
         if self._views is None:
             self._views = {(d.layer_id, d.kind): self._pool.page_view(d.layer_id, d.kind)
                            for d in self._pool.buffer_descriptors()}
-        index = torch.from_numpy(pages).to(self._area.device)
-        offsets = slice_offsets(pairs.item_len, pages.size)
-        base = local * self.slice_bytes
+        index = device_pages(pages, self._area.device)
+        offsets = slice_offsets(pairs.item_len, pages.size) + local * self.slice_bytes
         for i, pair in enumerate(pairs):
-            out = self._area[base + offsets[i]:base + offsets[i + 1]].view(pages.size, -1)
-            torch.index_select(self._views[pair.src.layer_id, pair.src.kind], 0, index, out=out)
-        return int(offsets[-1])
+            gather(self._views[pair.src.layer_id, pair.src.kind], pages,
+                   self._area[offsets[i]:offsets[i + 1]], index)
+        if self._area.is_cuda:  # the engine reads the slice once the gather has run
+            torch.cuda.current_stream(self._area.device).synchronize()
+        return int(offsets[-1] - offsets[0])
+
+    def close(self) -> None:
+        """End the gather thread (after the writer's lanes)."""
+        self._gathers.shutdown(wait=True)
 
     # ---- decode's answers (control thread) --------------------------------------------------
 

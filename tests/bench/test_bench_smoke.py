@@ -61,14 +61,27 @@ def test_tiny_bench_reports_every_figure(tmp_path):
         assert ratios["bytes_ratio"] == (78 * 36_864 + 21 * 8448) / (78 * 36_864 + 78 * 8448)
         assert ratios["seconds_ratio"] > 0
 
-    sweeps = {"length", "length_long", "descriptors", "concurrency", "layers", "layer_sets"}
+    sweeps = {"length", "length_long", "descriptors", "concurrency", "layers", "layer_sets",
+              "crossover"}
     for backend in backends:
         rows = [r for r in report["transfer"] if r["backend"] == backend]
         assert {r["sweep"] for r in rows} == sweeps
-        assert {r["pattern"] for r in rows} == {"contiguous", "fragmented", "per_page"}
+        assert {r["pattern"] for r in rows} == {"contiguous", "fragmented", "per_page", "runs_2"}
+        routes = report["routes"][backend]  # every pattern on both routes, against contiguous
+        assert set(routes) == {"contiguous", "fragmented", "per_page"}
+        for entry in routes.values():
+            assert entry["direct"]["vs_contiguous"] > 0 and entry["staged"]["vs_contiguous"] > 0
+            assert entry["auto"] in ("direct", "staged") and entry["faster"] in entry
+        assert set(report["fragmented_vs_contiguous"][backend]) == {"fragmented", "per_page"}
+    assert 0 < report["staged_descriptors_per_request"] <= 64
+    assert report["staging_bytes"] > 0
     for row in report["transfer"]:
         assert all(row[key] > 0 for key in ROW_FIGURES), row
-        assert row["descriptors"] == row["runs"] * row["buffers"]
+        assert row["route_taken"] == row["route"]  # forced either way
+        if row["route"] == "staged":  # one descriptor per slice
+            assert row["descriptors"] == row["descriptors_expected"] == row["staging_slices"]
+        else:
+            assert row["descriptors"] == row["runs"] * row["buffers"]
         rounds = report["repeat"]
         if row["sweep"] == "concurrency":
             rounds = max(rounds, CONCURRENCY_REPEAT)

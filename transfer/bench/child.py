@@ -13,9 +13,11 @@ drives it over a private ZMQ PAIR socket; every command (a msgpack map) gets one
 - ``send``: create a sender per room (``init`` + one ``send`` of all its pages), as a prefill
   that has finished computing does; each chunk waits for decode's page ids, then goes straight
   to the node's writer. ``checksums`` switches the node's page checksums on or off for
-  these requests; the answer carries the node's checksum seconds so far.
+  these requests, ``route`` sets the node's route (``auto``, ``direct``, ``staged``); the answer
+  carries the node's statistics so far (as ``stats``).
 - ``stats``: the node's checksum seconds so far (after the requests: their difference is what
-  prefill spent checksumming them), and its control thread's longest interval between two
+  prefill spent checksumming them), its staged chunks and slices so far, its staging area's
+  bytes and slice size, and its control thread's longest interval between two
   ticks since the last ``send`` (``max_tick_gap_ms``: how long the writer's engine calls kept
   heartbeats and deadlines waiting).
 - ``idle_gap``: the longest interval between two passes of a bare loop that only polls (as the
@@ -123,8 +125,9 @@ class _PrefillServer:
         self.peer = self.node.backend.connect(metadata)
         return {}
 
-    def send(self, requests: list, checksums: bool = False) -> dict:
+    def send(self, requests: list, checksums: bool = False, route: str = "direct") -> dict:
         self.node.checksums = checksums
+        self.node.route = route
         stats = self.stats()
         self.node._loop.max_tick_gap_s = 0.0  # the gap the stats after these requests report
         for room, pages in requests:
@@ -134,7 +137,10 @@ class _PrefillServer:
         return stats
 
     def stats(self) -> dict:
-        return {"checksum_seconds": self.node.counters.snapshot()["checksum_seconds"],
+        counts = self.node.counters.snapshot()
+        return {**{key: counts[key] for key in ("checksum_seconds", "staged_chunks",
+                                                "staging_slices", "staging_bytes")},
+                "slice_bytes": self.node._stager.slice_bytes,
                 "max_tick_gap_ms": 1e3 * self.node._loop.max_tick_gap_s}
 
     def idle_gap(self, seconds: float) -> dict:

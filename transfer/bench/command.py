@@ -38,12 +38,14 @@ from importlib import metadata
 
 from ..backends import BACKENDS
 from ..launcher.options import choice_list, output_dir
+from ..staging import choose_route, thresholds_for
 from .sizes import SIZES
 
 REPORT_VERSION = 1
 LONG_REQUEST_TOKENS = 8192  # the ratio_vs_raw target holds from this request length on
 TARGETS = {"ratio_vs_raw": 0.9, "plan_share": 0.02, "pool_vs_memcpy": 0.5, "checksum_share": 0.1,
-           "concurrent_ratio_vs_raw": 0.9, "max_tick_gap_ms": 20.0}
+           "concurrent_ratio_vs_raw": 0.9, "max_tick_gap_ms": 20.0, "vs_contiguous": 0.8,
+           "staged_descriptors": 64}
 TARGET_CONCURRENCY = (16, 64)  # requests in flight the concurrent_ratio_vs_raw target covers
 ENGINE_PACKAGES = ("mooncake-transfer-engine-non-cuda", "nixl-cu12")
 QUIET_ENV = {"MC_LOG_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "ERROR", "UCX_LOG_LEVEL": "error"}
@@ -101,6 +103,32 @@ def concurrency_summary(transfers: list[dict], backends: list[str]) -> dict:
             for backend in backends}
 
 
+def route_summary(transfers: list[dict], backends: list[str]) -> dict:
+    """Per backend and page pattern, the fragmentation sweep on both routes: each route's GB/s
+    over that of the contiguous request of the same length (the length sweep's, direct) measured
+    in the same run (``vs_contiguous``) and its descriptors; the faster route; the route ``auto``
+    picks for that request (``staging.choose_route`` on its direct descriptors) and its ratio."""
+    out = {}
+    for backend in backends:
+        rows = [r for r in transfers if r["backend"] == backend]
+        points = [r for r in rows if r["sweep"] == "descriptors"]
+        base = next(r for r in rows if r["sweep"] == "length" and r["tokens"] == points[0]["tokens"])
+        patterns: dict[str, dict] = {}
+        for row in [base, *points]:
+            patterns.setdefault(row["pattern"], {})[row["route"]] = {
+                "vs_contiguous": row["e2e_gbps"] / base["e2e_gbps"],
+                "descriptors": row["descriptors"], "e2e_gbps": row["e2e_gbps"],
+                "staging_bytes": row["staging_bytes"]}
+        for entry in patterns.values():
+            direct = entry["direct"]
+            entry["faster"] = max(entry, key=lambda route: entry[route]["e2e_gbps"])
+            entry["auto"] = choose_route("auto", direct["descriptors"], base["bytes"],
+                                         thresholds_for(backend))
+            entry["auto_vs_contiguous"] = entry[entry["auto"]]["vs_contiguous"]
+        out[backend] = patterns
+    return out
+
+
 def tick_gap_summary(transfers: list[dict], backends: list[str]) -> dict:
     """Per backend, the prefill control thread's longest tick gap during its largest single
     request of the full 61 layers (788 MB at 16K tokens), and that request's bytes."""
@@ -137,6 +165,10 @@ def summarize(transfers: list[dict], plan_share: dict, pool_rows: list[dict],
     fresh = [r["ratio_vs_fresh_memcpy"] for r in bulk_rows if "ratio_vs_fresh_memcpy" in r]
     concurrent, tick_gap = concurrency_summary(transfers, backends), tick_gap_summary(transfers,
                                                                                       backends)
+    routes = route_summary(transfers, backends)
+    fragmented = {b: {p: e["auto_vs_contiguous"] for p, e in by.items() if p != "contiguous"}
+                  for b, by in routes.items()}
+    staged = [r for r in transfers if r["route_taken"] == "staged" and r["requests"] == 1]
     return {
         "ratio_vs_raw": ratio,
         "ratio_vs_raw_lowest": lowest,
@@ -154,7 +186,18 @@ def summarize(transfers: list[dict], plan_share: dict, pool_rows: list[dict],
         "max_tick_gap_ms": {b: v["ms"] for b, v in tick_gap.items()},
         "max_tick_gap_bytes": {b: v["bytes"] for b, v in tick_gap.items()},
         "idle_tick_gap_ms": {b: v["idle_ms"] for b, v in tick_gap.items()},
+        "routes": routes,
+        "fragmented_vs_contiguous": fragmented,
+        "staged_descriptors_per_request": max((r["descriptors"] for r in staged), default=0),
+        "staged_tokens": max((r["tokens"] for r in staged), default=0),
+        "staging_bytes": max(r["staging_bytes"] for r in transfers),
         "targets_met": {
+            "vs_contiguous": {b: all(v >= TARGETS["vs_contiguous"] for v in by.values())
+                              for b, by in fragmented.items()},
+            "auto_picks_faster": {b: all(e["auto"] == e["faster"] for e in by.values())
+                                  for b, by in routes.items()},
+            "staged_descriptors": max((r["descriptors"] for r in staged), default=0)
+            <= TARGETS["staged_descriptors"],
             "concurrent_ratio_vs_raw": {b: all(v >= TARGETS["concurrent_ratio_vs_raw"]
                                                for v in levels.values())
                                         for b, levels in concurrent.items()},
@@ -196,12 +239,13 @@ def print_tables(report: dict) -> None:
     print(f"dsa-bridge bench ({report['size']}, median of {report['repeat']}, "
           f"{report['seconds']:.0f} s, load average {load['start'][0]:.1f} -> {load['end'][0]:.1f})")
     print(f"{'backend':8} {'sweep':11} {'model':13} {'L':>2} {'ix':>2} {'tokens':>6} {'req':>3} "
-          f"{'pattern':10} {'MB':>6} {'desc':>6} {'e2e GB/s':>8} {'raw':>5} {'memcpy':>6} "
+          f"{'pattern':10} {'route':6} {'MB':>6} {'desc':>6} {'e2e GB/s':>8} {'raw':>5} {'memcpy':>6} "
           f"{'e2e/raw':>7} {'+ms':>5} {'plan%':>5} {'sums GB/s':>9} {'sum%':>5}")
     for r in report["transfer"]:
         print(f"{r['backend']:8} {r['sweep']:11} {r['model']:13} {r['layers']:>2} "
               f"{r['buffers'] - r['layers']:>2} {r['tokens']:>6} "
-              f"{r['requests']:>3} {r['pattern']:10} {r['bytes'] / 1e6:>6.0f} {r['descriptors']:>6} "
+              f"{r['requests']:>3} {r['pattern']:10} {r['route_taken']:6} "
+              f"{r['bytes'] / 1e6:>6.0f} {r['descriptors']:>6} "
               f"{r['e2e_gbps']:>8.2f} {r['raw_gbps']:>5.2f} {r['memcpy_gbps']:>6.1f} "
               f"{r['ratio_vs_raw']:>7.2f} {r['overhead_ms']:>5.1f} {100 * r['plan_share']:>5.2f} "
               f"{r['e2e_checksums_gbps']:>9.2f} {100 * r['checksum_share']:>5.1f}")
@@ -236,6 +280,15 @@ def print_tables(report: dict) -> None:
               f"end-to-end seconds {ratios['seconds_ratio']:.3f}")
     print(f"concurrent_ratio_vs_raw (requests in flight: ratio, raw = one batch of all): "
           f"{report['concurrent_ratio_vs_raw']}")
+    for backend, patterns in report["routes"].items():
+        for pattern, entry in patterns.items():
+            cells = ", ".join(f"{route} {entry[route]['vs_contiguous']:.2f}x "
+                              f"({entry[route]['descriptors']} descriptors)"
+                              for route in ("direct", "staged") if route in entry)
+            print(f"{backend} {pattern}, against the contiguous request: {cells}; faster: "
+                  f"{entry['faster']}, auto picks: {entry['auto']}")
+    print(f"staging_bytes (both nodes): {report['staging_bytes']}; descriptors of a staged "
+          f"{report['staged_tokens']}-token request: {report['staged_descriptors_per_request']}")
     print(f"max_tick_gap_ms (prefill control thread, largest request "
           f"{report['max_tick_gap_bytes']} bytes): {report['max_tick_gap_ms']}; a bare 2 ms poll "
           f"loop, no write (idle_tick_gap_ms): {report['idle_tick_gap_ms']}")

@@ -18,6 +18,7 @@ of the same number of bytes and against memmoves of them in the pieces the pool 
 from __future__ import annotations
 
 import ctypes
+import functools
 import resource
 import statistics
 import sys
@@ -36,6 +37,7 @@ from ..decode import DecodeNode, KVReceiver
 from ..launcher.page_allocator import PageAllocator
 from ..plan import pair_buffers, plan_writes
 from ..request import TERMINAL, KVPoll
+from ..staging import ROUTES, slice_groups
 from .child import (
     COMMAND_TIMEOUT_S,
     PAGE,
@@ -59,7 +61,8 @@ def page_ids(pattern: str, pages: int, requests: int = 1,
     contiguous: both sides 1, 2, 3, ... (one run per request); fragmented: each side's pages
     come from a ``PageAllocator`` (shuffled blocks of 1-16 pages, as a serving engine's free list
     looks after a while); per_page: prefill's pages 1, 3, 5, ... so that no two are adjacent and
-    every page is its own descriptor (what an engine gets without coalescing)."""
+    every page is its own descriptor (what an engine gets without coalescing); runs_N: prefill's
+    pages in runs of N, one page apart, decode's contiguous (descriptors of N pages each)."""
     total = pages * requests
     if pattern == "contiguous":
         src = dst = np.arange(1, total + 1, dtype=np.int64)
@@ -69,6 +72,11 @@ def page_ids(pattern: str, pages: int, requests: int = 1,
     elif pattern == "per_page":
         src = np.arange(1, 2 * total, 2, dtype=np.int64)
         dst = np.arange(1, total + 1, dtype=np.int64)
+    elif pattern.startswith("runs_") and pattern[5:].isdigit() and int(pattern[5:]) > 0:
+        run = int(pattern[5:])
+        order = np.arange(total, dtype=np.int64)
+        src = 1 + order + order // run
+        dst = np.arange(1, total + 1, dtype=np.int64)
     else:
         raise ValueError(f"pattern must be one of {', '.join(PATTERNS)}, got {pattern!r}")
     return [(src[i * pages:(i + 1) * pages], dst[i * pages:(i + 1) * pages])
@@ -77,6 +85,8 @@ def page_ids(pattern: str, pages: int, requests: int = 1,
 
 def pool_pages(pattern: str, total_pages: int) -> int:
     """Pages (padding page excluded) a pool needs for ``page_ids(pattern, ...)`` of that many."""
+    if pattern.startswith("runs_"):
+        return total_pages + total_pages // int(pattern[5:]) + 1
     return 2 * total_pages if pattern == "per_page" else total_pages
 
 
@@ -95,6 +105,8 @@ class Transfer:
     descriptors: int
     checksum_seconds: float  # both nodes, computing page checksums (0 without them)
     max_tick_gap_ms: float  # the prefill control thread's longest interval between two ticks
+    staged_chunks: int  # of these requests, on the staged route
+    staging_slices: int
 
 
 class TransferSession:
@@ -117,15 +129,16 @@ class TransferSession:
             raise
 
     def end_to_end(self, requests: list[tuple[np.ndarray, np.ndarray]], *,
-                   checksums: bool = False) -> Transfer:
-        """Move every request through the nodes at once; time first init -> last Success."""
+                   checksums: bool = False, route: str = "direct") -> Transfer:
+        """Move every request through the nodes at once, prefill's node on ``route``; time
+        first init -> last Success."""
         rooms = range(self._room, self._room + len(requests))
         self._room += len(requests)
         self.node.checksums = checksums
         decode_before = self.node.counters.snapshot()["checksum_seconds"]
-        prefill_before = self.child.call(
+        before = self.child.call(
             "send", requests=[[room, src.tolist()] for room, (src, _) in zip(rooms, requests, strict=True)],
-            checksums=checksums)["checksum_seconds"]
+            checksums=checksums, route=route)
         receivers: list[KVReceiver] = []
         for room, (_, dst) in zip(rooms, requests, strict=True):
             receiver = self.node.receiver(room)
@@ -142,17 +155,27 @@ class TransferSession:
         if failed:
             raise RuntimeError(f"transfer failed: {failed[0].failure_exception()}")
         stats = self.child.call("stats")
-        prefill_spent = stats["checksum_seconds"] - prefill_before
+        self.staging = {"prefill": stats["staging_bytes"], "slice_bytes": stats["slice_bytes"],
+                        "decode": self.node.counters.snapshot()["staging_bytes"]}
+        prefill_spent = stats["checksum_seconds"] - before["checksum_seconds"]
         result = Transfer(
             seconds=max(r.state.finished_at for r in receivers)
             - min(r.started_at for r in receivers),
             nbytes=sum(r.nbytes for r in receivers),
             descriptors=sum(r.descriptors for r in receivers),
             checksum_seconds=prefill_spent + self.node.counters.snapshot()["checksum_seconds"]
-            - decode_before, max_tick_gap_ms=stats["max_tick_gap_ms"])
+            - decode_before, max_tick_gap_ms=stats["max_tick_gap_ms"],
+            staged_chunks=stats["staged_chunks"] - before["staged_chunks"],
+            staging_slices=stats["staging_slices"] - before["staging_slices"])
         for receiver in receivers:
             self.node.forget(receiver)
         return result
+
+    def staged_descriptors(self, requests: list[tuple[np.ndarray, np.ndarray]]) -> int:
+        """Descriptors of these requests on the staged route (one chunk each): one per slice."""
+        peer = self.node.peers[0]
+        size = min(self.staging["slice_bytes"], peer.staging.slice_bytes)
+        return sum(len(slice_groups(src.size, peer.page_bytes, size)) for src, _ in requests)
 
     def idle_gap(self, seconds: float) -> float:
         """The longest gap of a bare 2 ms poll loop in the child over ``seconds``, no write running."""
@@ -239,29 +262,33 @@ class Memcpy:
 
 
 def measure(session: TransferSession, memcpy: Memcpy, requests: list, repeat: int, *,
-            idle_probe: bool = False) -> dict:
+            idle_probe: bool = False, route: str = "direct") -> dict:
     """End-to-end, end-to-end with checksums, raw engine and memcpy on the same requests,
     interleaved: medians of each, and ``ratio_vs_raw`` (and ``overhead_ms``, what dsa-bridge adds
     to a request) as the median of the ratios (differences) of back-to-back pairs, which a drift
     of the machine's load affects least; ``checksum_share`` as the median over the checksummed
     runs of each one's checksum seconds over its own end-to-end seconds; every sample is kept.
     ``idle_probe``: after each end-to-end run, the child's bare poll loop for as long as that
-    run took (``idle_tick_gap_ms``, the machine's own gap next to ``max_tick_gap_ms``)."""
+    run took (``idle_tick_gap_ms``, the machine's own gap next to ``max_tick_gap_ms``).
+    ``route``: prefill's (``route_taken``: the route its requests took; with ``staged``, the
+    expected descriptors are one per staging slice)."""
     layers, buffers = session.geometry.layers, session.geometry.buffers
-    expected = sum(runs(src, dst) for src, dst in requests) * buffers
-    session.end_to_end(requests)  # warm-up: the engine's paths, caches, the planner
-    session.end_to_end(requests, checksums=True)
+    run_e2e = functools.partial(session.end_to_end, requests, route=route)
+    run_e2e()  # warm-up: the engine's paths, caches, the planner
+    staged = run_e2e(checksums=True).staged_chunks > 0
+    expected = (session.staged_descriptors(requests) if staged
+                else sum(runs(src, dst) for src, dst in requests) * buffers)
     e2e, raw, copy, plan, summed, shares, gaps, idle = [], [], [], [], [], [], [], []
     for i in range(repeat):
         for kind in ("e2e", "sums", "raw") if i % 2 == 0 else ("raw", "sums", "e2e"):
             if kind == "e2e":
-                transfer = session.end_to_end(requests)
+                transfer = run_e2e()
                 e2e.append(transfer.seconds)
                 gaps.append(transfer.max_tick_gap_ms)
                 if idle_probe:
                     idle.append(session.idle_gap(transfer.seconds))
             elif kind == "sums":
-                checked = session.end_to_end(requests, checksums=True)
+                checked = run_e2e(checksums=True)
                 summed.append(checked.seconds)
                 shares.append(checked.checksum_seconds / checked.seconds)
             else:
@@ -278,8 +305,11 @@ def measure(session: TransferSession, memcpy: Memcpy, requests: list, repeat: in
         "requests": len(requests), "bytes": nbytes, "runs": expected // buffers,
         "descriptors": transfer.descriptors, "raw_descriptors": reply["descriptors"],
         "descriptors_expected": expected,
-        "descriptors_exact": transfer.descriptors == expected == reply["descriptors"]
-        and reply["nbytes"] == nbytes,
+        "descriptors_exact": transfer.descriptors == expected
+        and (staged or expected == reply["descriptors"]) and reply["nbytes"] == nbytes,
+        "route": route, "route_taken": "staged" if staged else "direct",
+        "staging_slices": transfer.staging_slices,
+        "staging_bytes": session.staging["prefill"] + session.staging["decode"],
         "e2e_s": e2e_s, "raw_s": raw_s, "memcpy_s": copy_s, "plan_s": plan_s,
         "e2e_gbps": gbps(nbytes, e2e_s), "raw_gbps": gbps(nbytes, raw_s),
         "memcpy_gbps": gbps(nbytes, copy_s),
@@ -302,21 +332,27 @@ def transfer_jobs(sizes: Sizes, indexer_layout: str = "uniform"
     requests) points. Both sides hold one such pool; the bench process also two memcpy buffers.
     ``indexer_layout`` is the GLM-5.2 layer sweep's; the layer-sets sweep runs GLM-5.2, all 78
     layers, in both layouts."""
-    deepseek = [("length", "contiguous", t // PAGE, 1) for t in sizes.lengths]
-    deepseek += [("descriptors", p, sizes.sweep_tokens // PAGE, 1) for p in PATTERNS[1:]]
-    deepseek += [("concurrency", "contiguous", sizes.concurrency_tokens // PAGE, c)
+    deepseek = [("length", "contiguous", t // PAGE, 1, "direct") for t in sizes.lengths]
+    deepseek += [("descriptors", p, sizes.sweep_tokens // PAGE, 1, route)  # contiguous direct:
+                 for p in PATTERNS for route in ROUTES[1:]  # the length sweep's point
+                 if p != "contiguous" or route == "staged"]
+    deepseek += [("crossover", f"runs_{n}", sizes.sweep_tokens // PAGE, 1, route)
+                 for n in sizes.crossover_runs for route in ("direct", "staged")]
+    deepseek += [("concurrency", "contiguous", sizes.concurrency_tokens // PAGE, c, "direct")
                  for c in sizes.concurrency]
     jobs = [(("deepseek-v3.2", 61, "fp8"), deepseek),
             (("deepseek-v3.2", sizes.long_layers, "fp8"),
-             [("length_long", "contiguous", t // PAGE, 1) for t in sizes.long_lengths])]
+             [("length_long", "contiguous", t // PAGE, 1, "direct") for t in sizes.long_lengths])]
     jobs = [(*job, "uniform") for job in jobs]
-    jobs += [(("glm-5.2", n, "fp8_raw"), [("layers", "contiguous", sizes.sweep_tokens // PAGE, 1)],
+    jobs += [(("glm-5.2", n, "fp8_raw"),
+              [("layers", "contiguous", sizes.sweep_tokens // PAGE, 1, "direct")],
               indexer_layout) for n in sizes.layer_counts]
-    jobs += [(("glm-5.2", 78, "fp8_raw"), [("layer_sets", "contiguous", sizes.sweep_tokens // PAGE, 1)],
+    jobs += [(("glm-5.2", 78, "fp8_raw"),
+              [("layer_sets", "contiguous", sizes.sweep_tokens // PAGE, 1, "direct")],
               layout) for layout in ("uniform", "compact")]
     out = []
     for (model, layers, kv_dtype), points, layout in jobs:
-        pages = max(pool_pages(pattern, n * k) for _, pattern, n, k in points)
+        pages = max(pool_pages(pattern, n * k) for _, pattern, n, k, _ in points)
         out.append((Geometry(model, layers, kv_dtype, pool_tokens=pages * PAGE,
                              indexer_layout=layout), points))
     return out
@@ -344,15 +380,15 @@ def measure_geometry(child: PrefillChild, backend: str, geometry: Geometry, poin
     session = TransferSession(child, backend, geometry)
     memcpy = Memcpy()
     try:
-        for sweep, pattern, pages, count in points:
+        for sweep, pattern, pages, count, route in points:
             rounds = max(repeat, CONCURRENCY_REPEAT) if sweep == "concurrency" else repeat
             row = {"backend": backend, "sweep": sweep, "pattern": pattern,
                    **measure(session, memcpy, page_ids(pattern, pages, count), rounds,
-                             idle_probe=sweep == "length")}
+                             idle_probe=sweep == "length", route=route)}
             rows.append(row)
             progress(f"{backend} {geometry.model} x{geometry.layers} {geometry.indexer_layout} "
                      f"{sweep} {row['tokens']} "
-                     f"tokens x{count} {pattern}: end-to-end {row['e2e_gbps']:.2f} GB/s, raw "
+                     f"tokens x{count} {pattern} {route}: end-to-end {row['e2e_gbps']:.2f} GB/s, raw "
                      f"{row['raw_gbps']:.2f} ({row['ratio_vs_raw']:.2f}x), memcpy "
                      f"{row['memcpy_gbps']:.1f}")
         return session.transport

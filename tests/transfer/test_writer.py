@@ -140,6 +140,41 @@ def test_jobs_queued_for_one_peer_go_out_in_one_engine_write(rig):
     assert (peers[0].page(LAYERS[0], "kv", 1) == 0).all()  # never a target: untouched
 
 
+class OddRoomsStaged:
+    """Routes that stage the chunks of odd rooms (recording them) and write nothing for them."""
+
+    def __init__(self):
+        self.staged: list[int] = []
+
+    def route_for(self, peer, plan):
+        return "staged" if self.current % 2 else "direct"
+
+    def write(self, peer, room, offset, pages, plan, *, timeout_s):
+        self.staged.append(room)
+        return plan, 1
+
+
+def test_a_lane_keeps_the_queue_order_across_routes(rig):
+    """Direct jobs queued together go out in one write; a staged job between them splits the
+    batch, so each request's chunks, and the outcomes, keep their order."""
+    writer, engine, src, peers, pairs, results = rig()
+    routes = writer._routes = OddRoomsStaged()
+    engine.held.add(peers[0].engine.id)
+    routes.current = 0
+    writer.submit(job(make_sender(0), peers[0], pairs[0], [1], [1]))
+    wait_for(engine.entered.is_set, what="the first write held")
+    for room in (2, 4, 5, 6):  # 5 is staged: 2 and 4 in one write, then 5, then 6
+        routes.current = room
+        writer.submit(job(make_sender(room), peers[0], pairs[0], [room], [room]))
+    engine.release.set()
+    wait_for(lambda: len(results) == 5, what="every job finished")
+    assert [r.job.sender.room for r in results] == [0, 2, 4, 5, 6]
+    assert [r.route for r in results] == ["direct"] * 3 + ["staged", "direct"]
+    assert [r.slices for r in results] == [0, 0, 0, 1, 0]
+    assert routes.staged == [5]
+    assert [n for _, n in engine.calls] == [6, 12, 6]
+
+
 def test_a_job_is_planned_when_submitted_while_the_lane_still_writes(rig, monkeypatch):
     writer, engine, src, peers, pairs, results = rig()
     planned_in: list[threading.Thread] = []

@@ -63,9 +63,9 @@ class Recorder(FaultyBackend):
 def nodes(engine):
     made = []
 
-    def build(*, slices=4, decode_slices=2, aux=False, **prefill_kw):
+    def build(*, slices=4, decode_slices=2, aux=False, flip_every=0, **prefill_kw):
         events: list = []
-        backend = Recorder(create_backend(engine), events)
+        backend = Recorder(create_backend(engine), events, flip_every=flip_every)
         src_aux, dst_aux = (aux_tensors(8), aux_tensors(6, fill=0xA5)) if aux else ([], [])
         prefill = PrefillNode(make_pool(), backend, peer_timeout_s=10.0, heartbeat_s=0.1,
                               route="staged", staging_bytes=slices * SLICE, slice_bytes=SLICE,
@@ -121,6 +121,7 @@ def test_staged_requests_land_byte_exact_kv_indexer_and_aux(nodes, pattern):
     assert receiver.descriptors == slices.sum() + 2  # one per slice, one per aux slot
     wait_for(lambda: sender.poll() == KVPoll.Success)
     counts = prefill.counters.snapshot()
+    assert counts["checksums_computed"] == dst.size * 8  # over the gathered slices
     assert (counts["staged_chunks"], counts["staging_slices"]) == (3, slices.sum())
     assert counts["staging_bytes"] == 4 * SLICE
     decoded = decode.counters.snapshot()
@@ -131,6 +132,16 @@ def test_staged_requests_land_byte_exact_kv_indexer_and_aux(nodes, pattern):
         "direct": 0, "staged": 3}
     assert families["dsa_bridge_staging_bytes"].samples[0].value == 4 * SLICE
     assert wait_for(receiver.can_release)
+
+
+def test_checksums_taken_over_the_slices_catch_a_byte_flipped_on_the_wire(nodes):
+    """The page checksums of a staged chunk are taken from its gathered slices; a byte flipped in
+    decode's slice after the write still fails the request, naming layer, cache and page."""
+    prefill, decode, backend, _ = nodes(flip_every=1)  # the last byte of the slice: its last page
+    _, receiver = run(prefill, decode, 6, [3, 4], [5, 6])
+    assert receiver.poll() == KVPoll.Failed
+    assert "checksum mismatch: layer 3 index cache, page 6 (page 1 of the request)" in str(
+        receiver.failure_exception())
 
 
 def test_a_bad_page_is_refused_before_any_byte_moves(nodes):

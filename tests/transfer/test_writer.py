@@ -149,9 +149,9 @@ class OddRoomsStaged:
     def route_for(self, peer, plan):
         return "staged" if self.current % 2 else "direct"
 
-    def write(self, peer, room, offset, pages, plan, *, timeout_s):
+    def write(self, peer, room, offset, pages, plan, *, timeout_s, checksums):
         self.staged.append(room)
-        return plan, 1
+        return plan, 1, None
 
 
 def test_a_lane_keeps_the_queue_order_across_routes(rig):

@@ -15,9 +15,11 @@ thread: the next group's gather runs while this group is written, when a local s
 take one of decode's (waiting, within the write's timeout, for decode to free one), write the
 local slice into it in one engine descriptor (the last group carries the chunk's aux slots as
 their own descriptors, straight into decode's aux slots), and send ``SliceWritten`` so that
-decode scatters it. Decode's ``SliceFree`` (``slices_freed``, control thread) returns a slice to
-its ring. A slice whose write failed stays out of its ring for ``fence_s`` (its bytes may still
-land; a later write into it could otherwise be overwritten before decode scatters it).
+decode scatters it. With checksums on, each slice's page checksums are taken over it as it is
+gathered (``ChunkChecksums.of_slice``), off the lane's thread. Decode's ``SliceFree``
+(``slices_freed``, control thread) returns a slice to its ring. A slice whose write failed stays
+out of its ring for ``fence_s`` (its bytes may still land; a later write into it could otherwise
+be overwritten before decode scatters it).
 
 Every page was bounds-checked on both sides when the chunk was planned (``plan.plan_chunk``),
 before any byte moves; the staged write uses only the page ids of that plan.
@@ -50,6 +52,7 @@ from ..staging import (
     staging_size,
     thresholds_for,
 )
+from .checksums import ChunkChecksums
 from .records import DecodePeer
 
 Send = Callable[[protocol.Message, bytes], None]
@@ -99,9 +102,15 @@ class Stager:
     # ---- the writer lane's thread -----------------------------------------------------------
 
     def write(self, peer: DecodePeer, room: int, offset: int, pages: np.ndarray, plan: WritePlan,
-              *, timeout_s: float) -> tuple[WritePlan, int]:
+              *, timeout_s: float, checksums: ChunkChecksums | None = None
+              ) -> tuple[WritePlan, int, protocol.PageChecksums | None]:
         """Stage a chunk (``pages``, the first at ``offset`` of its request, planned as ``plan``)
-        into ``peer``: the descriptors written, and the slices filled. Raises BackendError."""
+        into ``peer``: the descriptors written, the slices filled, and the pages' checksums taken
+        over the gathered slices when ``checksums`` are on. Raises BackendError, or ChecksumError
+        before any write."""
+        sums = checksums if checksums is not None and checksums.enabled else None
+        if sums is not None:
+            sums.check_size(pages.size, len(peer.pairs))
         area = peer.staging
         pairs = peer.pairs
         page_bytes = int(pairs.item_len.sum())
@@ -113,19 +122,21 @@ class Stager:
         ring = self._ring(peer)
         deadline = time.monotonic() + timeout_s
         written: list[tuple[np.ndarray, ...]] = []
+        parts: list[np.ndarray] = []
         gathering: tuple[int, Future] | None = None
         try:
             for number, (start, count) in enumerate(groups):
                 if gathering is None:
                     local = self._take(self._local, deadline, "this node's", peer.engine_peer)
                     gathering = local, self._gathers.submit(self._gather, local, pairs,
-                                                            pages[start:start + count])
+                                                            pages[start:start + count], sums)
                 local, gathered = gathering
                 gathering = None
                 try:
-                    nbytes = gathered.result()
+                    nbytes, values = gathered.result()
+                    parts.append(values)
                     if number + 1 < len(groups):  # the next gather overlaps this write
-                        gathering = self._prefetch(pairs, pages, groups[number + 1])
+                        gathering = self._prefetch(pairs, pages, groups[number + 1], sums)
                     remote = self._take(ring, deadline, "decode's", peer.engine_peer)
                     arrays = self._slice_write(peer, local, remote, nbytes, deadline,
                                                plan if number == len(groups) - 1 else None)
@@ -139,7 +150,8 @@ class Stager:
                 wait([gathering[1]])
                 self._release(gathering[0])
         joined = [np.concatenate([w[i] for w in written]) for i in range(3)]
-        return WritePlan(*joined, runs=plan.runs), len(groups)
+        packed = sums.packed(pairs, parts, offset) if sums is not None else None
+        return WritePlan(*joined, runs=plan.runs), len(groups), packed
 
     def _slice_write(self, peer: DecodePeer, local: int, remote: int, nbytes: int,
                      deadline: float, last: WritePlan | None) -> tuple[np.ndarray, ...]:
@@ -162,15 +174,16 @@ class Stager:
             raise
         return arrays
 
-    def _prefetch(self, pairs: PairTable, pages: np.ndarray,
-                  group: tuple[int, int]) -> tuple[int, Future] | None:
+    def _prefetch(self, pairs: PairTable, pages: np.ndarray, group: tuple[int, int],
+                  sums: ChunkChecksums | None) -> tuple[int, Future] | None:
         """The gather of ``group`` started into a free local slice; None if none is free now."""
         with self._changed:
             local = self._local.take(time.monotonic())
         if local is None:
             return None
         start, count = group
-        return local, self._gathers.submit(self._gather, local, pairs, pages[start:start + count])
+        return local, self._gathers.submit(self._gather, local, pairs, pages[start:start + count],
+                                           sums)
 
     def _release(self, local: int) -> None:
         with self._changed:
@@ -189,8 +202,10 @@ class Stager:
                                          f"{whose} became free in time", peer=engine_peer)
                 self._changed.wait(min(left, 0.1))  # also for a fence that lifts meanwhile
 
-    def _gather(self, local: int, pairs: PairTable, pages: np.ndarray) -> int:
-        """Copy ``pages`` of every source buffer into local slice ``local``; its bytes."""
+    def _gather(self, local: int, pairs: PairTable, pages: np.ndarray,
+                sums: ChunkChecksums | None) -> tuple[int, np.ndarray | None]:
+        """Copy ``pages`` of every source buffer into local slice ``local``: its bytes, and with
+        ``sums`` the checksums of the gathered pages (``ChunkChecksums.of_slice``)."""
         if self._views is None:
             self._views = {(d.layer_id, d.kind): self._pool.page_view(d.layer_id, d.kind)
                            for d in self._pool.buffer_descriptors()}
@@ -201,7 +216,8 @@ class Stager:
                    self._area[offsets[i]:offsets[i + 1]], index)
         if self._area.is_cuda:  # the engine reads the slice once the gather has run
             torch.cuda.current_stream(self._area.device).synchronize()
-        return int(offsets[-1] - offsets[0])
+        values = sums.of_slice(self._area, offsets, pages.size) if sums is not None else None
+        return int(offsets[-1] - offsets[0]), values
 
     def close(self) -> None:
         """End the gather thread (after the writer's lanes)."""

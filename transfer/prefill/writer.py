@@ -107,7 +107,8 @@ class Routes(Protocol):
     def route_for(self, peer, plan: WritePlan) -> str: ...
 
     def write(self, peer, room: int, offset: int, pages: np.ndarray, plan: WritePlan, *,
-              timeout_s: float) -> tuple[WritePlan, int]: ...
+              timeout_s: float, checksums: PageSums
+              ) -> tuple[WritePlan, int, protocol.PageChecksums | None]: ...
 
 
 class DirectOnly:
@@ -116,7 +117,7 @@ class DirectOnly:
     def route_for(self, peer, plan: WritePlan) -> str:
         return DIRECT
 
-    def write(self, *args, **kwargs) -> tuple[WritePlan, int]:
+    def write(self, *args, **kwargs) -> tuple[WritePlan, int, None]:
         raise AssertionError("no staged route without a stager")
 
 
@@ -261,6 +262,11 @@ class Writer:
             if entry.plan is None:
                 self._report(Result(job, ok=False, reason=entry.failure, in_flight=entry.in_flight))
                 continue
+            if entry.route == STAGED:  # checksummed as its slices are gathered
+                self._write_batch(peer, direct)
+                direct = []
+                self._write_staged(job, entry.plan)
+                continue
             try:
                 sums = self._checksums.of_chunk(job.destination.peer.pairs, job.chunk.pages,
                                                 job.chunk.offset)
@@ -272,12 +278,7 @@ class Writer:
                 self._report(Result(job, ok=False, in_flight=True,
                                     reason=f"internal error: {type(exc).__name__}: {exc}"))
                 continue
-            if entry.route == STAGED:
-                self._write_batch(peer, direct)
-                direct = []
-                self._write_staged(job, entry.plan, sums)
-            else:
-                direct.append((job, entry.plan, sums))
+            direct.append((job, entry.plan, sums))
         self._write_batch(peer, direct)
 
     def _write_batch(self, peer: str,
@@ -309,17 +310,19 @@ class Writer:
             self._report(Result(job, ok=False, reason=reason, in_flight=True, engine_failure=engine,
                                 batch_index=i, batch_jobs=len(planned)))
 
-    def _write_staged(self, job: Job, plan: WritePlan,
-                      sums: protocol.PageChecksums | None) -> None:
-        """Write one job through the staging slices (``Routes.write``); report its outcome."""
+    def _write_staged(self, job: Job, plan: WritePlan) -> None:
+        """Write one job through the staging slices (``Routes.write``, which takes its page
+        checksums from them); report its outcome."""
         with self._lock:
             self.batches += 1
         try:
             started = time.perf_counter()
-            written, slices = self._routes.write(
+            written, slices, sums = self._routes.write(
                 job.destination.peer, job.sender.room, job.chunk.offset, job.chunk.pages, plan,
-                timeout_s=self.timeout_s)
+                timeout_s=self.timeout_s, checksums=self._checksums)
             seconds = time.perf_counter() - started
+        except checksum.ChecksumError as exc:  # before any write
+            self._report(Result(job, ok=False, reason=str(exc), route=STAGED))
         except BackendError as exc:
             self._report(Result(job, ok=False, reason=f"engine write failed: {exc}",
                                 in_flight=True, engine_failure=True, route=STAGED))

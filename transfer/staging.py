@@ -46,7 +46,10 @@ class Thresholds:
 
 
 # Measured on each engine (docs/benchmarks.md, "The staged route"): DeepSeek-V3.2, 8K tokens,
-# descriptors of 1 to 16 pages, both routes in the same run.
+# descriptors of 1 to 16 pages, both routes in the same run. On the 2-core host measured, staging
+# was slower on both engines at every size (its gather and scatter compete with the engines'
+# copies for the CPU), so both keep TensorRT-LLM's thresholds, which no DSA chunk reaches (one page
+# per descriptor averages 25 KiB): auto stays direct. Re-measure on the host that serves.
 THRESHOLDS = {"mooncake": Thresholds(), "nixl": Thresholds()}
 
 

@@ -6,6 +6,9 @@ divides its row length and both addresses. On the CPU through numpy (``np.take``
 assignment: one memcpy per row): torch's CPU index kernels copy a uint8 tensor one byte at a time
 (0.2 GB/s here, against 4-5 GB/s for words; docs/benchmarks.md). On a device, ``index_select`` /
 ``index_copy_`` with the page ids on that device (``device_pages``).
+
+``staging_for`` says whether a pool can stage at all: one that shows no page views (``page_view``
+and ``device``: SGLang's buffer infos alone) gets no staging area.
 """
 
 from __future__ import annotations
@@ -15,7 +18,20 @@ import math
 import numpy as np
 import torch
 
+from .staging import StagingError
+
 WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def staging_for(pool, requested: int | None) -> int | None:
+    """``requested`` staging bytes for a pool whose pages can be gathered and scattered; 0 for
+    one that shows no page views, StagingError if staging was asked for it explicitly."""
+    if hasattr(pool, "page_view") and hasattr(pool, "device"):
+        return requested
+    if requested:
+        raise StagingError(f"staging_bytes is {requested} but this pool shows no page views "
+                           "(page_view) to stage its pages from: set staging_bytes=0")
+    return 0
 
 
 def _as_words(view: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

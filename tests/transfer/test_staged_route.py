@@ -235,3 +235,19 @@ def test_gather_runs_on_the_pool_device():
     expected = torch.cat([pool.page_view(p.src.layer_id, p.src.kind).index_select(0, index).flatten()
                           for p in pairs])
     assert torch.equal(area, expected)
+
+
+def test_a_pool_without_page_views_stages_nothing_unless_asked():
+    """SGLang's buffer infos alone (a ``BufferSet``) show no pages to gather: no staging area by
+    default, a clear error naming the option when one is asked for."""
+    from dsa_bridge.plugin.descriptors import BufferSet
+    from dsa_bridge.transfer.slices import staging_for
+    from dsa_bridge.transfer.staging import StagingError
+
+    pool = make_pool()
+    buffers = BufferSet.from_buf_infos(pool.layout, pool.get_contiguous_buf_infos(),
+                                       pool.kv_layer_ids, pool.get_state_buf_infos(),
+                                       pool.state_layer_ids)
+    assert staging_for(buffers, None) == 0 and staging_for(pool, None) is None
+    with pytest.raises(StagingError, match="set staging_bytes=0"):
+        staging_for(buffers, 1 << 20)

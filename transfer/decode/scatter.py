@@ -34,7 +34,7 @@ from ...plugin.descriptors import BufferDescriptor, raw_region
 from .. import protocol
 from ..plan import buffer_order
 from ..request import TERMINAL
-from ..slices import device_pages, scatter
+from ..slices import device_pages, scatter, staging_for
 from ..staging import slice_offsets, split_area, staging_size
 from .receiver import KVReceiver
 from .sessions import PrefillPeer
@@ -51,13 +51,14 @@ class SliceScatter:
                  send: Callable[[zmq.Socket, protocol.Message], None],
                  staging_bytes: int | None = None, slice_bytes: int | None = None):
         pool_bytes = sum(b.nbytes for b in pool.buffer_descriptors())
-        self.nbytes, self.slice_bytes = staging_size(staging_bytes, pool_bytes, slice_bytes, peers)
+        self.nbytes, self.slice_bytes = staging_size(staging_for(pool, staging_bytes), pool_bytes,
+                                                     slice_bytes, peers)
         self._pool = pool
         self._lock = lock
         self._send = send
         self._pending = 0  # jobs queued or running (node's lock)
         self._views = {(d.layer_id, d.kind): pool.page_view(d.layer_id, d.kind)
-                       for d in pool.buffer_descriptors()}
+                       for d in pool.buffer_descriptors()} if self.nbytes else {}
         self._area = torch.empty(self.nbytes, dtype=torch.uint8, device=pool.device) \
             if self.nbytes else None
         self.areas: list[protocol.StagingArea | None] = [None] * peers

@@ -39,7 +39,7 @@ from ...plugin.descriptors import BufferDescriptor, raw_region
 from .. import protocol
 from ..backends.base import BackendError, TransferBackend
 from ..plan import PairTable, WritePlan
-from ..slices import device_pages, gather
+from ..slices import device_pages, gather, staging_for
 from ..staging import (
     DIRECT,
     SliceRing,
@@ -69,7 +69,8 @@ class Stager:
                  staging_bytes: int | None = None, slice_bytes: int | None = None,
                  thresholds: Thresholds | None = None, fence_s: float = 35.0):
         pool_bytes = sum(b.nbytes for b in pool.buffer_descriptors())
-        self.nbytes, self.slice_bytes = staging_size(staging_bytes, pool_bytes, slice_bytes)
+        self.nbytes, self.slice_bytes = staging_size(staging_for(pool, staging_bytes), pool_bytes,
+                                                     slice_bytes)
         self.route = check_route(route)
         self.thresholds = thresholds or thresholds_for(backend.name)
         self.fence_s = fence_s

@@ -251,3 +251,24 @@ def test_a_pool_without_page_views_stages_nothing_unless_asked():
     assert staging_for(buffers, None) == 0 and staging_for(pool, None) is None
     with pytest.raises(StagingError, match="set staging_bytes=0"):
         staging_for(buffers, 1 << 20)
+
+
+def test_decode_refuses_a_slice_report_outside_its_share_or_the_request():
+    """A SliceWritten naming a slice beyond the prefill's share, or pages beyond the request or
+    more than a slice holds, is a protocol error: nothing is scattered."""
+    from dsa_bridge.transfer import protocol
+
+    from .fake_backend import FakeBackend
+
+    with PrefillNode(make_pool(), FakeBackend(), heartbeat_s=0.1) as prefill, \
+            DecodeNode(make_pool(size=64 * 24, sentinel=True), FakeBackend(), prefill.endpoint,
+                       heartbeat_s=0.1, staging_bytes=2 * SLICE, slice_bytes=SLICE) as decode:
+        peer = decode.peers[0]
+        receiver = decode.receiver(1)
+        receiver.init([2, 3, 4])
+        for bad, match in [((1, 2, 0, 1), "not one of prefill"), ((1, 0, 2, 2), "does not fit"),
+                           ((1, 0, 0, 3), "does not fit"), ((1, -1, 0, 1), "not one of")]:
+            with decode._lock, pytest.raises(protocol.ProtocolError, match=match):
+                decode._scatter.slice_written_locked(peer, receiver, protocol.SliceWritten(*bad))
+        assert receiver.scatters == 0
+        assert sentinel_intact(decode.pool, np.arange(1, decode.pool.num_kv_pages))

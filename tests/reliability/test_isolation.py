@@ -33,9 +33,9 @@ LO = loopback_hosts(1)[0]
 NODE = ("--pool-tokens", str(64 * 48), "--request-timeout", "120", "--max-tokens", "256")
 WRITE_TIMEOUT_S = 3.0
 BEFORE = 40  # the healthy node's writes before the freeze (its first 5 requests are not counted)
-# enough for the healthy node to outlast the freeze window: it may open late, when a loaded machine
-# slows the victim's next write, while the healthy node keeps going (NIXL over CMA: ~100 a second)
-HEALTHY_REQUESTS = {"mooncake": 2400, "nixl": 6000, "nixl-ucx-tcp": 2400}
+# the healthy node runs until the test stops it (SIGTERM: those in flight finish) after the freeze
+# window, however late a loaded machine opens the window: it never runs out of requests before
+HEALTHY_REQUESTS = 100_000
 WINDOW_S = 2 * WRITE_TIMEOUT_S + 2.0  # after the freeze: writes into the frozen node time out
 MIN_SAMPLES = 20  # the window lasts until the healthy node had this many writes in it, too
 # A healthy request queued behind a write into the frozen node waits for that write's timeout: the
@@ -75,7 +75,6 @@ def p99(latencies: list[float]) -> float:
                          ids=["mooncake", "nixl", "nixl-ucx-tcp"])
 def test_a_frozen_decode_delays_only_its_own_requests(backend, tls, procs, ledger, monkeypatch,
                                                       tmp_path):
-    healthy_requests = HEALTHY_REQUESTS[backend + ("-ucx-" + tls if tls else "")]
     if tls:
         monkeypatch.setenv("UCX_TLS", tls)  # read by this process's agent and the children's
     # a 4-layer model: requests cheap enough for the decode processes to verify many per second
@@ -95,7 +94,7 @@ def test_a_frozen_decode_delays_only_its_own_requests(backend, tls, procs, ledge
             wait_for(lambda: node.counters.snapshot()["requests_ok"] >= 1, 90,
                      "the victim's first request")
             healthy = decode(procs, LO, backend, node.endpoint, *node_options, "--requests",
-                             str(healthy_requests), "--concurrency", "4", name="healthy")
+                             str(HEALTHY_REQUESTS), "--concurrency", "4", name="healthy")
             wait_for(lambda: engine.other_writes >= BEFORE, 120,
                      "the healthy decode node's requests before the freeze")
             engine.armed.set()
@@ -105,11 +104,10 @@ def test_a_frozen_decode_delays_only_its_own_requests(backend, tls, procs, ledge
             wait_for(lambda: engine.other_writes >= writes_at_freeze + MIN_SAMPLES, 120,
                      "the healthy decode node's writes during the freeze")
             window_end = time.monotonic()
-            if healthy.process.poll() is not None:
-                raise AssertionError("the healthy decode node finished before the freeze window "
-                                     "ended: raise HEALTHY_REQUESTS")
+            assert healthy.process.poll() is None, "the healthy decode node ended by itself"
             failures_in_window = node.counters.snapshot()["engine_failures"]
-            result = summary(procs, healthy, 300)
+            healthy.signal(signal.SIGTERM)  # no further request; those in flight finish
+            result = summary(procs, healthy, 120)
             victim.signal(signal.SIGCONT)
             victim.kill()
         finally:
@@ -122,7 +120,8 @@ def test_a_frozen_decode_delays_only_its_own_requests(backend, tls, procs, ledge
               if done > engine.frozen_at and start < window_end]
     ledger.record(tried=1, ok=counters["requests_ok"], failed=counters["requests_failed"],
                   bytes_verified=result["bytes_verified"], bytes_lost=result["bytes_mismatched"])
-    assert result["ok"] and result["requests_ok"] == healthy_requests, result["failures"]
+    assert result["ok"] and result["requests_ok"] == result["requests"] < HEALTHY_REQUESTS, \
+        result["failures"]
     assert len(before) >= MIN_SAMPLES and len(during) >= MIN_SAMPLES, (len(before), len(during))
     if backend == "mooncake" or tls:  # the write into the frozen node timed out meanwhile
         assert failures_in_window >= 1, counters

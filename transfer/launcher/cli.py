@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "both nodes' staging areas, others directly; or force either")
     add_metrics_options(prefill)
 
-    decode = sub.add_parser("decode", help="run verified requests against a prefill node")
+    decode = sub.add_parser("decode", help="run verified requests against a prefill node (SIGTERM/"
+                            "SIGINT: no further request starts; those in flight finish)")
     add_node_options(decode)
     decode.add_argument("--prefill", type=peer_endpoints, required=True,
                         help="prefill control endpoint HOST:PORT, or the comma-separated endpoints "
@@ -285,7 +286,8 @@ def cmd_decode(args) -> int:
         # room ids are global on a prefill node (as SGLang's bootstrap rooms): random, so that
         # several decode nodes can share one prefill node
         report = drive_decode(node, lengths, concurrency=args.concurrency, seed=args.seed + 1,
-                              room_base=int.from_bytes(os.urandom(8), "big") >> 2)
+                              room_base=int.from_bytes(os.urandom(8), "big") >> 2,
+                              stop=stop_on_signals())  # SIGTERM/SIGINT: finish those in flight
         summary = {
             "requests": report.requests, "requests_ok": report.requests_ok,
             "requests_failed": report.requests_failed, "bytes_verified": report.bytes_verified,

@@ -216,8 +216,10 @@ def release_settled(node: DecodeNode, allocator: PageAllocator,
 
 
 def drive_decode(node: DecodeNode, lengths: list[int], *, concurrency: int = 4, seed: int = 2,
-                 room_base: int = 0, deadline_s: float = 600.0, progress: bool = True) -> DecodeReport:
-    """Run every request through the node, verify every byte, and report."""
+                 room_base: int = 0, deadline_s: float = 600.0, progress: bool = True,
+                 stop: threading.Event | None = None) -> DecodeReport:
+    """Run every request through the node, verify every byte, and report. Once ``stop`` is set,
+    no further request starts: those in flight finish, and the report counts the ones issued."""
     pool = node.pool
     allocator = PageAllocator(pool.num_kv_pages, seed=seed)
     report = DecodeReport(requests=len(lengths))
@@ -227,6 +229,9 @@ def drive_decode(node: DecodeNode, lengths: list[int], *, concurrency: int = 4, 
     start = time.monotonic()
     next_progress = start + 1.0
     while (pending or active or held) and time.monotonic() - start < deadline_s:
+        if stop is not None and stop.is_set() and pending:
+            report.requests -= len(pending)  # never issued
+            pending.clear()
         while pending and len(active) < concurrency:
             index, tokens = pending[0]
             pages = allocator.alloc(math.ceil(tokens / pool.page_size))

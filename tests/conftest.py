@@ -1,6 +1,12 @@
 """Suite-wide: which engines and devices this machine has, skips with reasons, a closing report
-of every skipped suite so a green run cannot hide one, and the clearing of the engine settings a
-caller may have exported (tests that start engines set what they need themselves)."""
+of every skipped suite so a green run cannot hide one, the clearing of the engine settings a
+caller may have exported (tests that start engines set what they need themselves), and one
+torch thread per test process.
+
+One thread, because torch's intra-op threads wait for each other at every parallel operation:
+on two cores shared with other processes, a byte check that takes 6 s ran for 3 min 42 s with
+two threads and 9 s with one (``test_fuzz`` next to six busy processes). The processes the tests
+start inherit it through ``OMP_NUM_THREADS``, unless the caller set it."""
 
 from __future__ import annotations
 
@@ -8,10 +14,12 @@ import collections
 import functools
 import os
 
-import pytest
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported, for this process too
 
-from dsa_bridge.transfer.backends import create_backend
-from dsa_bridge.transfer.backends.base import BackendUnavailable
+import pytest  # noqa: E402
+
+from dsa_bridge.transfer.backends import create_backend  # noqa: E402
+from dsa_bridge.transfer.backends.base import BackendUnavailable  # noqa: E402
 
 
 @functools.cache

@@ -4,15 +4,22 @@ Decode that holds a request's first tokens already (its radix cache) sends pages
 only, with ``prefix_tokens``; prefill's sender learns it (``decode_prefix_tokens``, and
 ``IncomingRequest.prefix_tokens``) and sends the rest. Decode that gives a request up before
 its pages went out tells prefill at once (``Abort(before_pages=True)``): the sender fails now,
-or as soon as it is made, instead of waiting for its deadline; nothing is answered.
+or as soon as it is made, instead of waiting for its deadline; nothing is answered. And the
+other way: prefill tells decode of a failure only for a request that failed (an abort after
+success sends nothing).
 """
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
+from dsa_bridge.transfer.counters import Counters
 from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request, sentinel_intact
+from dsa_bridge.transfer.prefill.outcomes import ChunkReporter
+from dsa_bridge.transfer.prefill.records import DecodeDestination, DecodePeer, KVSender
 from dsa_bridge.transfer.request import KVPoll
 
 from .helpers import wait_for
@@ -85,3 +92,20 @@ def test_decode_giving_up_before_its_pages_fails_the_waiting_sender_at_once(node
     decode.forget(receiver)
     decode.forget(later)
     assert decode.counters.snapshot().get("messages_dropped", 0) == 0  # nothing was answered
+
+
+def test_aborting_a_sender_that_succeeded_tells_decode_nothing():
+    """sglang's prefill may abort (or clear) a request right after its transfer succeeded, before
+    the node forgets it: no failure report (with an empty reason) goes to decode then."""
+    sent = []
+    destination = DecodeDestination(DecodePeer(b"decode", "decode", "engine", None, 0.0),
+                                    np.array([7, 8]), 2 * PAGE, 0.0)
+    reporter = ChunkReporter("prefill", threading.Lock(), Counters(), {1: destination},
+                             lambda message, identity: sent.append(message))
+    succeeded = KVSender(None, 1, 60.0)
+    succeeded.state.advance(KVPoll.Success, 0.0)
+    reporter.fail_locked(succeeded, "aborted by sglang after the fact")
+    assert succeeded.poll() == KVPoll.Success and sent == []
+    failing = KVSender(None, 1, 60.0)
+    reporter.fail_locked(failing, "aborted by sglang")
+    assert [(m.room, m.ok, m.reason) for m in sent] == [(1, False, "aborted by sglang")]

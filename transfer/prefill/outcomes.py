@@ -64,11 +64,13 @@ class ChunkReporter:
                 self.report_failure_locked(sender, in_flight=result.in_flight)
 
     def fail_locked(self, sender: KVSender, reason: str, *, in_flight: bool = False) -> None:
-        """Fail ``sender`` (a no-op once it is terminal) and tell decode when it may be told."""
+        """Fail ``sender`` (a no-op once it is terminal) and tell decode when it may be told; a
+        sender that succeeded has nothing to tell."""
         if sender.state.fail(reason, time.monotonic()):
             self.counters.request_failed(reason)
             log.warning("%s: room %d failed: %s", self.name, sender.room, reason)
-        self.report_failure_locked(sender, in_flight=in_flight)
+        if sender.state.status == KVPoll.Failed:
+            self.report_failure_locked(sender, in_flight=in_flight)
 
     def report_failure_locked(self, sender: KVSender, *, in_flight: bool) -> None:
         """Tell decode once, when no write of ours into its pages is still running."""

@@ -340,8 +340,9 @@ def test_engine_write_failing_every_third_call(backend, procs, ledger):
         verified, lost = verified_bytes(node.pool, requests)
         assert all(held_at_failure[r.room] for r, _ in failed), "failed pages were released at once"
         assert all("injected failure" in str(r.failure_exception()) for r, _ in failed)
-        # part of each failed write landed, yet the request is Failed and its pages are held
-        assert all(buffer_matches(node.pool, r.room, p[:1], FIRST, "kv") for r, p in failed)
+        # part of each failed write landed, yet its requests are Failed and their pages held; a
+        # write that batched two requests' chunks may have landed only in the first one's pages
+        assert any(buffer_matches(node.pool, r.room, p[:1], FIRST, "kv") for r, p in failed)
         # released once the grace has run from the last report (seconds ago): 12 s of margin
         wait_for(lambda: all(r.can_release() for r, _ in failed), IN_FLIGHT_GRACE_S + 12,
                  "pages after the grace",

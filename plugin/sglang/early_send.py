@@ -1,0 +1,152 @@
+"""A prefill request's chunks held until the forward writing their pages finished.
+
+sglang's early send of a cached prefix (``SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX``, on by
+default) sends a chunk before the step's forward is enqueued; with overlap scheduling the previous
+step's forward may still be writing those pages, so sglang records a CUDA event after it and sets
+it on the sender (``_early_send_wait_event``, prefill.py ``maybe_send_cached_prefix_chunk``): the
+chunk's pages may be read only once that event completed. sglang's own Mooncake worker waits on it
+(``wait_event.synchronize()``) before reading. dsa-bridge does the same without blocking sglang's
+scheduler thread and with a deadline:
+
+- ``HeldChunks``, pure (the caller passes ``now`` and how to ask an event): one request's chunks in
+  order, each with its event or None; ``release`` gives the chunks that may go now (in order, up
+  to the first whose event has not completed), or the reason to fail the request once that
+  chunk waited past its deadline;
+- ``EarlySendDispatcher``, one per prefill manager: ``send`` hands a chunk to the node at once
+  when nothing of its request is held and it has no event, else holds it; its thread (started at
+  the first held chunk, idle while nothing is held) asks the held events every
+  ``EVENT_POLL_S`` and hands the chunks to the node in order, or aborts the request with the
+  reason. A request that failed meanwhile (aborted by sglang) has its chunks dropped unread.
+
+sglang's other readiness signal, ``send(..., indices_event=...)``, is given only to senders that
+declare ``supports_host_tensor_indices`` (page indices still being copied from the GPU);
+dsa-bridge's sender does not, so it always gets its page indices as a finished array.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ...transfer.request import TERMINAL
+
+log = logging.getLogger(__name__)
+
+EARLY_SEND_WAIT_S = 60.0  # a forward not finished this long after its early send fails the request
+EVENT_POLL_S = 0.002  # how often held events are asked
+
+
+@dataclass(frozen=True)
+class HeldChunk:
+    pages: object  # the chunk's page ids, as ``send`` got them
+    event: object | None  # sglang's CUDA event (``query()``), or None: ready once those before are
+    deadline: float
+    wait_s: float
+
+
+class HeldChunks:
+    """One request's chunks, in order, until they may be read (module docstring)."""
+
+    def __init__(self) -> None:
+        self._chunks: deque[HeldChunk] = deque()
+
+    @property
+    def waiting(self) -> bool:
+        return bool(self._chunks)
+
+    def add(self, pages, event, *, now: float, wait_s: float) -> None:
+        self._chunks.append(HeldChunk(pages, event, now + wait_s, wait_s))
+
+    def release(self, now: float, completed: Callable[[object], bool]) -> tuple[list, str | None]:
+        """The chunks that may go now, in order, and the reason to fail the request (None while
+        none is past its deadline); ``completed(event)`` asks whether an event completed."""
+        ready = []
+        while self._chunks:
+            head = self._chunks[0]
+            if head.event is not None and not completed(head.event):
+                if now > head.deadline:
+                    self._chunks.clear()
+                    return ready, (
+                        f"the forward writing {len(head.pages)} page(s) sent early had not "
+                        f"finished {head.wait_s:g}s after sglang's early send (its "
+                        "_early_send_wait_event): their pages were never read")
+                break
+            ready.append(self._chunks.popleft().pages)
+        return ready, None
+
+
+def event_completed(event) -> bool:
+    """Whether sglang's CUDA event (``torch.cuda.Event``) completed: its ``query()``."""
+    return bool(event.query())
+
+
+class EarlySendDispatcher:
+    """Hands a prefill manager's chunks to its node, holding those sglang sent early until their
+    pages are written (module docstring)."""
+
+    def __init__(self, name: str, wait_s: float = EARLY_SEND_WAIT_S,
+                 completed: Callable[[object], bool] = event_completed):
+        self.name = name
+        self.wait_s = wait_s
+        self._completed = completed
+        self._held: dict[int, tuple[object, HeldChunks]] = {}  # room -> (node's KVSender, chunks)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def send(self, sender, pages, event=None) -> None:
+        """``sender`` (the node's ``KVSender``) gets ``pages`` now, or once they may be read."""
+        with self._lock:
+            held = self._held.get(sender.room)
+            if event is None and held is None:
+                sender.send(pages)
+                return
+            if held is None:
+                held = self._held[sender.room] = (sender, HeldChunks())
+            held[1].add(pages, event, now=time.monotonic(), wait_s=self.wait_s)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name=f"dsa-bridge-{self.name}-early-send")
+                self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                idle = not self._held
+                if idle:
+                    self._wake.clear()
+            if idle:
+                self._wake.wait()
+                continue
+            self._release_ready()
+            self._stop.wait(EVENT_POLL_S)
+
+    def _release_ready(self) -> None:
+        with self._lock:
+            for room, (sender, chunks) in list(self._held.items()):
+                if sender.state.status in TERMINAL:  # failed meanwhile: its chunks are never read
+                    del self._held[room]
+                    continue
+                try:
+                    ready, reason = chunks.release(time.monotonic(), self._completed)
+                    for pages in ready:
+                        sender.send(pages)
+                except (RuntimeError, ValueError) as exc:  # a CUDA error, or a chunk refused
+                    ready, reason = [], f"an early-sent chunk could not be handed on: {exc}"
+                if reason is not None:
+                    log.warning("dsa-bridge: room %s: %s", room, reason)
+                    sender.abort(reason)
+                if reason is not None or not chunks.waiting:
+                    del self._held[room]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()

@@ -213,18 +213,18 @@ def plan_writes(pairs: Sequence[BufferPair], src_pages: object, dst_pages: objec
 AUX_KIND = "aux"
 
 
-def as_aux_buffers(infos: Iterable[tuple[int, int, int]]) -> list[BufferDescriptor]:
-    """Aux buffers from ``(ptr, nbytes, item_len)`` triples, numbered by position (they carry no
-    layer id: SGLang's metadata buffers are one list, in the same order on both sides); an
-    empty, null or ragged one is refused."""
+def as_aux_buffers(infos: Iterable[tuple]) -> list[BufferDescriptor]:
+    """Aux buffers from ``(ptr, nbytes, item_len)`` triples (host memory) or ``(ptr, nbytes,
+    item_len, device)``, numbered by position (they carry no layer id: SGLang's metadata buffers
+    are one list, in the same order on both sides); an empty, null or ragged one is refused."""
     out = []
-    for i, (ptr, nbytes, item_len) in enumerate(infos):
+    for i, (ptr, nbytes, item_len, *device) in enumerate(infos):
         for label, value in (("ptr", ptr), ("nbytes", nbytes), ("item_len", item_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise PlanError(f"aux buffer {i}: {label} must be a positive int, got {value!r}")
         if nbytes % item_len:
             raise PlanError(f"aux buffer {i}: nbytes {nbytes} is not a multiple of item_len {item_len}")
-        out.append(BufferDescriptor(i, AUX_KIND, ptr, nbytes, item_len))
+        out.append(BufferDescriptor(i, AUX_KIND, ptr, nbytes, item_len, *device))
     return out
 
 

@@ -4,7 +4,8 @@ Imported only where ``sglang`` is installed. The classes implement
 ``sglang.srt.disaggregation.base.conn`` as sglang 0.5.23's scheduler queues call them, over
 dsa-bridge's ``PrefillNode`` / ``DecodeNode`` (layer-id pairing, bounds checks before any write,
 deadlines, KVPoll states). The pure decisions of bring-up are in ``bringup.py``, the buffers as a
-node's pool in ``paged_buffers.py``:
+node's pool in ``paged_buffers.py``, sglang's deadline per phase of a request in ``phases.py``,
+a mixed deployment's refusal and detection in ``mixed.py``:
 
 - ``DSABridgeKVManager(args, mode, server_args, is_mla_backend)``: one per scheduler rank. From
   the rank's ``KVArgs`` (``kvargs.bridge_buffers``: KV, DSA state and aux buffers with
@@ -26,7 +27,9 @@ node's pool in ``paged_buffers.py``:
   (the DSA state indices, with the last chunk, must be the request's KV pages: one function
   derives the indexer pages), ``poll()``, ``poll_pp_consensus()`` (every stage's status, on
   pipeline stage 0), ``pop_decode_prefix_len()`` (decode's radix-cache prefix, from its pages),
-  ``failure_exception()`` raising, ``abort()``, ``clear()``.
+  ``failure_exception()`` raising, ``abort()``, ``clear()``. A chunk sglang sends early (its
+  ``_early_send_wait_event``) and the chunks after it wait in the manager's
+  ``EarlySendDispatcher`` until the forward writing their pages finished (``early_send.py``).
 - ``DSABridgeKVReceiver``: ``init(prefill_dp_rank)`` (connects to that prefill; a refused
   handshake fails the request, with the reason), ``send_metadata(kv_indices, aux_index,
   state_indices, decode_prefix_len, destination)`` (the pages after decode's radix-cache
@@ -34,6 +37,13 @@ node's pool in ``paged_buffers.py``:
   (Failed, with the reason, once its prefill is refused), ``failure_exception()`` (sglang's
   ``KVTransferError``; a checksum failure in sglang's words, "KV checksum mismatch"),
   ``abort()``, ``ensure_abort_notified()``, ``clear()``.
+
+sglang fails a request on every TP rank once one rank's poll failed (it MIN-reduces the polls),
+then calls ``failure_exception()`` on each and frees the pages: on a rank whose own transfer had
+not failed, the sender's and the receiver's ``failure_exception()`` stop it first (the receiver's
+abort holds its pages in the fence until no write can land), raising ``is_from_another_rank``.
+Each buffer is registered as the memory its pointer is (``memory_kinds``); HiSparse on decode is
+refused at start-up.
 
 sglang's deferred decode release (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``, on by
 default) is answered by dsa-bridge's fence: the manager supports it, ``register_deferred_abort_room``
@@ -80,7 +90,7 @@ from sglang.srt.disaggregation.common.conn import (
 from sglang.srt.disaggregation.pp_consensus_store import PPConsensusStore
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
-from sglang.srt.runtime_context import get_disagg, get_parallel, get_serving
+from sglang.srt.runtime_context import get_disagg, get_memory, get_parallel, get_serving
 from sglang.srt.utils.network import NetworkAddress, get_local_ip_auto
 
 from ...transfer import auth
@@ -97,8 +107,12 @@ from .bringup import (
     pairing_problems,
     sglang_class,
 )
+from .early_send import EarlySendDispatcher
 from .kvargs import bridge_buffers, dsa_problem
+from .memory_kinds import hisparse_problem, kind_of, pointer_info
+from .mixed import DECODE_POLICY_MARK, ForeignDecodes, foreign_route_query, marked_route_query
 from .paged_buffers import PagedBuffers
+from .phases import PhaseClock, PhaseLimits
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +167,19 @@ class DSABridgeKVManager(BaseKVManager):
             raise ValueError(f"dsa-bridge's transfer does not support {', '.join(limits)} (docs/sglang.md)")
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
         start = (getattr(args, "prefill_start_layer", 0) or 0) if prefill else 0
-        device = "cpu" if getattr(args, "gpu_id", None) is None or not _cuda() else f"cuda:{args.gpu_id}"
-        self.bridge = bridge_buffers(args, start_layer=start, stages=self.pp_size, device=device)
+        problem = hisparse_problem(not prefill, bool(get_memory().enable_hisparse))
+        if problem:
+            raise ValueError(problem)
+        info = pointer_info(_cuda())  # each buffer registered as the memory its pointer is
+        self.bridge = bridge_buffers(args, start_layer=start, stages=self.pp_size,
+                                     device_of=lambda ptr: kind_of(ptr, info(ptr)).device)
+        device = self.bridge.buffers.buffer_descriptors()[0].device
         self.pool = PagedBuffers(self.bridge.buffers, device)  # what the nodes take as their pool
         self.secret = auth.load_secret()  # DSA_BRIDGE_SECRET, the same on prefill and decode
         self.checksums = bool(get_disagg().disaggregation_enable_kv_checksum)  # both sides' flag
+        self.phase_limits = PhaseLimits(  # sglang's per-phase bounds (phases.py)
+            float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()),
+            float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()))
         self.enable_deferred_decode_kv_release = bool(
             envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get()
             and self.supports_deferred_decode_kv_release)
@@ -179,6 +201,8 @@ class DSABridgeKVManager(BaseKVManager):
         self._stage_senders: dict[int, DSABridgeKVSender] = {}
         self._stop = threading.Event()
         self._stage_reporter: threading.Thread | None = None
+        self.early_sends = EarlySendDispatcher(  # chunks held until sglang's forward wrote them
+            f"dp{self.attn_dp_rank}-tp{self.attn_tp_rank}-pp{self.pp_rank}")
         if prefill:
             name = f"prefill-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}-pp{self.pp_rank}"
             try:
@@ -190,17 +214,18 @@ class DSABridgeKVManager(BaseKVManager):
                     "the same secret on prefill and decode") from None
             self.node = PrefillNode(
                 self.pool, create_backend(self.backend, host=self.local_ip),
-                listen=f"{self.local_ip}:0", name=name, aux_buffers=self.bridge.aux,
-                request_timeout_s=float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()),
+                listen=f"{self.local_ip}:0", name=name, aux_buffers=self.bridge.aux_buffers,
+                request_timeout_s=self.phase_limits.node_timeout_s,
                 secret=self.secret, checksums=self.checksums)
             self.register_to_bootstrap()
             if self.pp_size > 1:
                 self._start_stage_consensus(parallel.pp_group)
         else:
             self._log_release_bounds()
-        log.info("dsa-bridge: %s manager over %d layers (%s indexer layout), backend %s, "
-                 "checksums %s", disaggregation_mode.value, self.bridge.layout.num_layers,
-                 self.bridge.layout.indexer_layout, self.backend, "on" if self.checksums else "off")
+        log.info("dsa-bridge: %s manager over %d layers (%s indexer layout) on %s, aux on %s, backend "
+                 "%s, checksums %s", disaggregation_mode.value, self.bridge.layout.num_layers,
+                 self.bridge.layout.indexer_layout, device, sorted(set(self.bridge.aux_devices)),
+                 self.backend, "on" if self.checksums else "off")
 
     # ---- prefill: the bootstrap registration -------------------------------------------------
     def register_to_bootstrap(self) -> None:
@@ -217,6 +242,7 @@ class DSABridgeKVManager(BaseKVManager):
             "kv_cache_dtype": self.kv_args.kv_cache_dtype_str, "kv_layout": KV_LAYOUT_MARK,
             "load_balance_method": get_parallel().load_balance_method,
             "prefill_http_port": get_serving().port,
+            "decode_allocation_policy": DECODE_POLICY_MARK,  # sglang's own decode refuses it (mixed.py)
         }
         dist_init_addr = get_parallel().dist_init_addr
         bootstrap_port = get_disagg().disaggregation_bootstrap_port
@@ -298,7 +324,7 @@ class DSABridgeKVManager(BaseKVManager):
         if bootstrap_addr in self.prefill_info_table:
             return True
         url = (f"http://{bootstrap_addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
-               "&target_tp_rank=-1&target_pp_rank=-1")
+               "&target_tp_rank=-1&target_pp_rank=-1" + marked_route_query())
         try:
             response = requests.get(url, timeout=HTTP_TIMEOUT_S)
         except requests.RequestException as exc:
@@ -431,9 +457,10 @@ class DSABridgeKVManager(BaseKVManager):
         endpoints = [self._rank_endpoint(bootstrap_addr, dp_rank, p) for p in range(stages)]
         return DecodeNode(self.pool, create_backend(self.backend, host=self.local_ip),
                           endpoints, name=f"decode-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}",
-                          request_timeout_s=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()),
+                          request_timeout_s=self.phase_limits.node_timeout_s,
                           in_flight_grace_s=IN_FLIGHT_GRACE_S, quarantine_timeout_s=QUARANTINE_TIMEOUT_S,
-                          aux_buffers=self.bridge.aux, secret=self.secret, checksums=self.checksums)
+                          aux_buffers=self.bridge.aux_buffers, secret=self.secret,
+                          checksums=self.checksums)
 
     # ---- decode: sglang's deferred release, answered by the fence ----------------------------
     def _log_release_bounds(self) -> None:
@@ -530,6 +557,7 @@ class DSABridgeKVManager(BaseKVManager):
             self._stage_reporter.join()
         if self.stage_status is not None:
             self.stage_status.close()
+        self.early_sends.close()
         if self.node is not None:
             self.node.close()
         for node in [*self.decode_nodes.values(), *self.retired_nodes]:
@@ -558,13 +586,19 @@ def failure_reason(reason: str) -> str:
 
 
 class _Failed:
-    """A request that failed before a dsa-bridge request existed for it."""
+    """A request that failed before a dsa-bridge request existed for it, or that sglang failed
+    because another TP rank's transfer of it failed (``from_another_rank``)."""
 
-    def __init__(self, room: int, reason: str):
-        self.room, self.reason = room, reason
+    def __init__(self, room: int, reason: str, from_another_rank: bool = False):
+        self.room, self.reason, self.from_another_rank = room, reason, from_another_rank
 
     def exception(self) -> BridgeTransferError:
-        return BridgeTransferError(self.room, f"room {self.room}: {self.reason}")
+        return BridgeTransferError(self.room, f"room {self.room}: {self.reason}",
+                                   is_from_another_rank=self.from_another_rank)
+
+
+# sglang min-all-reduces its TP ranks' polls, then calls failure_exception on every rank
+ANOTHER_RANK_FAILED = "stopped here: another TP rank's transfer of this request failed"
 
 
 class DSABridgeKVSender(BaseKVSender):
@@ -581,7 +615,8 @@ class DSABridgeKVSender(BaseKVSender):
         self.bootstrap_addr = bootstrap_addr
         self.bootstrap_room = bootstrap_room
         self._sent: list[np.ndarray] = []
-        self._started = time.monotonic()
+        self._early_send_wait_event = None  # sglang sets it before an early send (prefill.py)
+        self._phases = PhaseClock("prefill", mgr.phase_limits, time.monotonic())  # sglang's deadlines
         self._failed: _Failed | None = None
         while not mgr.node.incoming.empty():  # rooms decode announced first: informational only
             mgr.node.incoming.get_nowait()
@@ -625,10 +660,26 @@ class DSABridgeKVSender(BaseKVSender):
             if problem:
                 self._sender.abort(problem)
                 return
-        self._sender.send(pages)
+        # an early send's pages may still be being written by a forward: sglang's event says when
+        # they are done (``early_send``); never waited for on sglang's scheduler thread
+        event, self._early_send_wait_event = self._early_send_wait_event, None
+        self.kv_mgr.early_sends.send(self._sender, pages, event)
 
     def poll(self) -> KVPoll:
-        return KVPoll.Failed if self._sender is None else int(self._sender.poll())
+        """The request's status; a phase past its sglang bound (``phases``) fails it, naming the
+        phase and the variable."""
+        if self._sender is None:
+            return KVPoll.Failed
+        status, now = self._sender.poll(), time.monotonic()
+        if status in TERMINAL:
+            self._phases.finish()
+        elif status != KVPoll.Bootstrapping:  # decode's pages arrived
+            self._phases.advance(now)
+        expired = self._phases.expired(now)
+        if expired is not None:
+            self._sender.abort(expired)
+            status = self._sender.poll()
+        return int(status)
 
     def poll_pp_consensus(self) -> KVPoll:
         """The room's status over every pipeline stage, as sglang's prefill bootstrap queue polls
@@ -640,10 +691,18 @@ class DSABridgeKVSender(BaseKVSender):
         return self.kv_mgr.stage_consensus(self.bootstrap_room, own)
 
     def failure_exception(self):
+        """Raise why the request failed. sglang calls this on every TP rank once any rank's poll
+        failed: a rank whose own transfer did not fail stops it first (its writer writes no
+        further chunk; decode hears of it once no write of it can land), before sglang frees the
+        request's pages."""
         if self._failed is not None:
             raise self._failed.exception()
-        raise self._sender.failure_exception() or RuntimeError(
-            f"room {self.bootstrap_room}: not failed (status {self._sender.poll().name})")
+        exc = self._sender.failure_exception()
+        if exc is None:
+            if self._sender.poll() not in TERMINAL:
+                self._sender.abort(ANOTHER_RANK_FAILED)
+            raise _Failed(self.bootstrap_room, ANOTHER_RANK_FAILED, from_another_rank=True).exception()
+        raise exc
 
     def abort(self) -> None:
         if self._sender is not None:
@@ -651,7 +710,9 @@ class DSABridgeKVSender(BaseKVSender):
 
     def clear(self) -> None:
         """sglang's prefill calls this once the transfer succeeded: the room leaves the stages'
-        consensus."""
+        consensus. A transfer still running is stopped (sglang frees its pages next)."""
+        if self._sender is not None and self._sender.poll() not in TERMINAL:
+            self._sender.abort("cleared by sglang")
         self.kv_mgr.forget_stage_status(self.bootstrap_room)
 
     def get_transfer_metric(self) -> KVTransferMetric:
@@ -699,6 +760,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         self._metadata_sent = False
         self._failed: _Failed | None = None
         self._forced = False  # a forced release of its pages was counted
+        self._phases = PhaseClock("decode", mgr.phase_limits, time.monotonic())  # sglang's deadlines
 
     def _fail(self, reason: str, *, logged: bool = False) -> None:
         """Fail the request; ``logged`` when the manager already logged the reason (once for
@@ -750,8 +812,22 @@ class DSABridgeKVReceiver(BaseKVReceiver):
             self._fail(f"bad metadata: {exc}")
             return
         self._metadata_sent = True
+        self._phases.advance(time.monotonic())  # sglang's waiting timeout starts at send_metadata
 
     def poll(self) -> KVPoll:
+        """The request's status; a phase past its sglang bound (``phases``) fails it, naming the
+        phase and the variable."""
+        status = self._status()
+        if status in TERMINAL:
+            self._phases.finish()
+            return status
+        expired = self._phases.expired(time.monotonic())
+        if expired is None:
+            return status
+        self._fail(expired)
+        return KVPoll.Failed
+
+    def _status(self) -> KVPoll:
         self.kv_mgr.forget_released()
         if self._failed is None and self._receiver is None:
             refusal = self.kv_mgr.refusal(self.bootstrap_addr)
@@ -767,11 +843,15 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         return int(status)
 
     def failure_exception(self):
+        """Raise why the request failed. sglang calls this on every TP rank once any rank's poll
+        failed: a rank whose own transfer did not fail stops it first (dsa-bridge's Abort to its
+        prefill; the fence holds the pages until no write can land), before sglang frees them."""
+        exc = self._receiver.failure_exception() if self._receiver is not None else None
+        if self._failed is None and exc is None:
+            self._fail(ANOTHER_RANK_FAILED, logged=True)
+            self._failed.from_another_rank = True
         if self._failed is not None:
             raise self._failed.exception()
-        exc = self._receiver.failure_exception() if self._receiver is not None else None
-        if exc is None:
-            raise RuntimeError(f"room {self.bootstrap_room}: not failed (status {self.poll()})")
         raise BridgeTransferError(self.bootstrap_room, failure_reason(str(exc))) from exc
 
     def abort(self) -> None:
@@ -821,4 +901,18 @@ class DSABridgeKVReceiver(BaseKVReceiver):
 class DSABridgeKVBootstrapServer(CommonKVBootstrapServer):
     """sglang's HTTP bootstrap registry, unchanged: dsa-bridge's prefill ranks register their
     control endpoints there (``PUT /route``) and its decode ranks look them up (``GET
-    /route``) exactly as sglang's own connectors do, so either connector's ranks can use it."""
+    /route``) exactly as sglang's own connectors do, so either connector's ranks can use it.
+    A parallel-info query of a decode running sglang's own connector is counted
+    (``foreign_decodes``) and logged once per host, saying which side lacks the plugin
+    (``mixed.py``)."""
+
+    def __init__(self, *args, **kwargs):
+        self.foreign_decodes = ForeignDecodes()
+        super().__init__(*args, **kwargs)  # starts serving
+
+    async def _handle_route_get(self, request):
+        if foreign_route_query(request.query):
+            reason = self.foreign_decodes.record(request.remote or "?")
+            if reason is not None:
+                log.error("dsa-bridge: %s", reason)
+        return await super()._handle_route_get(request)

@@ -1,4 +1,5 @@
-"""SGLang's ``KVArgs`` as dsa-bridge buffers: pure, no sglang import, no I/O.
+"""SGLang's ``KVArgs`` as dsa-bridge buffers: pure, no sglang import, no I/O (each buffer's device
+comes from the caller's ``device_of``).
 
 SGLang's scheduler fills one ``KVArgs`` per rank (prefill ``_init_kv_manager`` and decode
 ``_init_kv_manager``, then ``setup_state_kv_args``) and hands it to the transfer's KVManager. For
@@ -29,8 +30,10 @@ make a compact layout, as ``BufferSet.from_buf_infos`` then drops them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import msgspec
 
 from ..descriptors import BufferSet
 from ..layout import DSALayout
@@ -49,10 +52,16 @@ class BridgeBuffers:
     buffers: BufferSet  # the pool's validated descriptors (``.layout``, ``.buffer_descriptors()``)
     kv_layer_ids: list[int]
     aux: list[tuple[int, int, int]]  # (ptr, nbytes, item_len) of each aux buffer, in order
+    aux_devices: list[str]  # where each aux buffer is ("cpu" or "cuda:N")
 
     @property
     def layout(self) -> DSALayout:
         return self.buffers.layout
+
+    @property
+    def aux_buffers(self) -> list[tuple[int, int, int, str]]:
+        """The aux buffers as a node takes them: (ptr, nbytes, item_len, device)."""
+        return [(*info, device) for info, device in zip(self.aux, self.aux_devices, strict=True)]
 
 
 def dsa_problem(args) -> str | None:
@@ -106,17 +115,25 @@ def derive_layout(args, layer_ids: Sequence[int]) -> DSALayout:
         index_layers=tuple(lid for lid, n in zip(layer_ids, lens, strict=True) if n))
 
 
-def bridge_buffers(args, *, start_layer: int, stages: int = 1, device: str = "cpu") -> BridgeBuffers:
-    """One rank's ``KVArgs`` as validated dsa-bridge buffers; ValueError naming what does not fit."""
+def bridge_buffers(args, *, start_layer: int, stages: int = 1,
+                   device_of: Callable[[int], str] = lambda ptr: "cpu") -> BridgeBuffers:
+    """One rank's ``KVArgs`` as validated dsa-bridge buffers, each registered as ``device_of`` its
+    pointer ("cpu" or "cuda:N", ``memory_kinds``); ValueError naming what does not fit, and for a
+    pool whose KV and indexer buffers are not all on one device."""
     problem = dsa_problem(args)
     if problem:
         raise ValueError(problem)
     ids = derive_layer_ids(args, start_layer=start_layer, stages=stages)
     layout = derive_layout(args, ids)
-    buffers = BufferSet.from_buf_infos(
+    found = BufferSet.from_buf_infos(
         layout, (args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens), ids,
-        (args.state_data_ptrs[0], args.state_data_lens[0], args.state_item_lens[0]), ids,
-        device=device)
+        (args.state_data_ptrs[0], args.state_data_lens[0], args.state_item_lens[0]), ids)
+    descs = [msgspec.structs.replace(d, device=device_of(d.ptr))
+             for d in found.buffer_descriptors()]
+    devices = sorted({d.device for d in descs})
+    if len(devices) > 1:
+        raise ValueError(f"the pool's KV and indexer buffers are on {devices}: dsa-bridge moves "
+                         "a pool held on one device")
     aux = list(zip(getattr(args, "aux_data_ptrs", None) or [], getattr(args, "aux_data_lens", None) or [],
                    getattr(args, "aux_item_lens", None) or [], strict=True))
-    return BridgeBuffers(buffers, ids, aux)
+    return BridgeBuffers(BufferSet(layout, descs), ids, aux, [device_of(ptr) for ptr, _, _ in aux])

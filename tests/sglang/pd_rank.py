@@ -325,23 +325,34 @@ def compare(cfg: dict, pool, metadata, receiver) -> dict:
     return result
 
 
-def main() -> None:
-    role, configs = sys.argv[1], json.loads(sys.argv[2])
+def run_scenarios(run, server_fields=lambda role, cfg: {}) -> None:
+    """A rank script's main (``python -m MODULE ROLE CONFIGS_JSON``): sglang's own
+    ``load_plugins()``, then ``run(role, cfg, server_args)`` for each scenario in turn, inside a
+    published ``ServerArgs`` (the role's disaggregation mode, the scenario's engine and bootstrap
+    port, and ``server_fields(role, cfg)`` over them); one ``RESULT [json, ...]`` line."""
     from sglang.srt.plugins import load_plugins
 
+    role, configs = sys.argv[1], json.loads(sys.argv[2])
     load_plugins()
     results = []
     for cfg in configs:
-        with shims.published_context(disaggregation_mode=role, disaggregation_transfer_backend=cfg["engine"],
-                                     disaggregation_bootstrap_port=cfg["port"], host="127.0.0.1",
-                                     pp_size=cfg.get("pp_size", 1),
-                                     disaggregation_enable_kv_checksum=cfg.get("checksum", False)) as args:
-            if role == "prefill":
-                groups = stage_groups(cfg) if cfg.get("pp_size", 1) > 1 else None
-                results.append(run_prefill(cfg, args, groups))
-            else:
-                results.append(run_decode(cfg, args))
+        fields = {"disaggregation_mode": role, "disaggregation_transfer_backend": cfg["engine"],
+                  "disaggregation_bootstrap_port": cfg["port"], "host": "127.0.0.1",
+                  **server_fields(role, cfg)}
+        with shims.published_context(**fields) as args:
+            results.append(run(role, cfg, args))
     print("RESULT " + json.dumps(results), flush=True)
+
+
+def run_role(role: str, cfg: dict, server_args) -> dict:
+    if role == "prefill":
+        return run_prefill(cfg, server_args, stage_groups(cfg) if cfg.get("pp_size", 1) > 1 else None)
+    return run_decode(cfg, server_args)
+
+
+def main() -> None:
+    run_scenarios(run_role, lambda role, cfg: {
+        "pp_size": cfg.get("pp_size", 1), "disaggregation_enable_kv_checksum": cfg.get("checksum", False)})
 
 
 if __name__ == "__main__":

@@ -83,14 +83,16 @@ def landed(pool, cfg: dict, expected) -> int:
                for d, s in zip(cfg["dst_pages"], cfg["src_pages"], strict=True))
 
 
-def run(cfg: dict, server_args, group, warnings: Warnings) -> dict:
+def queued_request(cfg: dict, server_args, group, info_wait_s: float = 180,
+                   bootstrap_wait_s: float = 30) -> SimpleNamespace:
+    """The decode side up to the request in sglang's transfer queue: pool and aux at the sentinel,
+    the pool prefill writes (``expected``), the manager (sglang's ``_init_kv_manager``), the queue
+    (``transfer_queue``, its releases in ``released``), the receiver bootstrapped and its
+    ``send_metadata`` sent, its ``DecodeRequest`` added to the queue."""
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeRequest
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
-    for name, value in zip(ENV, cfg["env"], strict=True):
-        os.environ[name] = value
-    warnings.messages.clear()
     pool, metadata = pd_rank.make_pool(cfg, bridge=True), pd_rank.metadata_buffers()
     for view in [*pd_rank.views(pool).values(), *pd_rank.aux_views(metadata)]:
         view.fill_(pd_rank.SENTINEL)
@@ -103,16 +105,53 @@ def run(cfg: dict, server_args, group, warnings: Warnings) -> dict:
     addr, room = f"127.0.0.1:{cfg['port']}", cfg["room"]
     receiver = get_kv_class(TransferBackend(cfg["engine"]), KVClassType.RECEIVER)(
         mgr=manager, bootstrap_addr=addr, bootstrap_room=room)
-    wait_for(lambda: manager.try_ensure_parallel_info(addr), 180, "prefill parallel info")
+    wait_for(lambda: manager.try_ensure_parallel_info(addr), info_wait_s, "prefill parallel info")
     receiver.init(0)
-    wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput, 30, "decode bootstrap")
-    node = receiver._node
+    wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput, bootstrap_wait_s, "decode bootstrap")
     dst = cfg["dst_pages"]
     idx = queue.req_to_metadata_buffer_idx_allocator.alloc()
     receiver.send_metadata(dst, idx, [dst])
     decode_req = DecodeRequest(req=make_req("r", cfg["port"], room), kv_receiver=receiver,
                                metadata_buffer_index=idx)
     queue.add(decode_req)
+    return SimpleNamespace(cfg=cfg, pool=pool, expected=expected, manager=manager, queue=queue,
+                           released=released, receiver=receiver, decode_req=decode_req, room=room,
+                           dst=dst, held=0)
+
+
+def step(side: SimpleNamespace) -> bool:
+    """One step of sglang's transfer queue (``pop_transferred``, ``resolve_deferred_releases``),
+    the most deferred releases it held counted in ``side.held``; True at the step sglang first
+    released the request's pages."""
+    side.queue.pop_transferred()
+    side.held = max(side.held, side.queue.num_pending_deferred_releases())
+    side.queue.resolve_deferred_releases()
+    return bool(side.released) and "landed" not in side.released[0]
+
+
+def give_to_new_owner(side: SimpleNamespace) -> None:
+    """What had landed when sglang released the pages, then the pages' new owner writes them."""
+    release = side.released[0]
+    release["landed"] = landed(side.pool, side.cfg, side.expected)
+    for view in pd_rank.views(side.pool).values():
+        view[side.dst] = NEW_OWNER
+    release["new_owner_at"] = time.monotonic()
+
+
+def new_owner_intact(side: SimpleNamespace) -> bool:
+    return all(bool((v[side.dst] == NEW_OWNER).all()) for v in pd_rank.views(side.pool).values())
+
+
+def run(cfg: dict, server_args, group, warnings: Warnings) -> dict:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    for name, value in zip(ENV, cfg["env"], strict=True):
+        os.environ[name] = value
+    warnings.messages.clear()
+    side = queued_request(cfg, server_args, group)
+    pool, expected, manager, released = side.pool, side.expected, side.manager, side.released
+    receiver, decode_req, room, queue = side.receiver, side.decode_req, side.room, side.queue
+    node = receiver._node
     result = {"startup_warnings": [m for m in warnings.messages if "is off" in m],
               "manager_checksums": manager.checksums, "node_checksums": node.checksums}
 
@@ -129,30 +168,23 @@ def run(cfg: dict, server_args, group, warnings: Warnings) -> dict:
         result["landed_at_abort"] = landed(pool, cfg, expected)
         receiver.abort()  # the scheduler's abort of a transfer-queue request (scheduler.py ~5780)
         result["abort_notified"] = receiver.abort_notified
-    answers, unreleased_after_release, in_node_after_release, held = [], None, None, 0
+    answers, unreleased_after_release, in_node_after_release = [], None, None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if decode_req.kv_receiver is not None and decode_req.kv_receiver.poll() == KVPoll.Failed:
             answers.append(manager.is_abort_release_safe(room, 1))  # sglang's question, each step
-        queue.pop_transferred()
-        held = max(held, queue.num_pending_deferred_releases())
-        queue.resolve_deferred_releases()
-        if released and unreleased_after_release is None:
+        if step(side):
             unreleased_after_release = manager.unreleased_receivers
             in_node_after_release = room in node._receivers
-            released[0]["landed"] = landed(pool, cfg, expected)
-            for view in pd_rank.views(pool).values():  # the pages' new owner writes them
-                view[dst] = NEW_OWNER
-            released[0]["new_owner_at"] = time.monotonic()
+            give_to_new_owner(side)
         if released and time.monotonic() > released[0]["new_owner_at"] + cfg["write_window_s"]:
             break
         time.sleep(0.01)
     manager.is_abort_release_safe(room + 1, 0)  # sglang's next call into the manager
     result.update(
-        released=released, held=held, landed_at_end=landed(pool, cfg, expected),
+        released=released, held=side.held, landed_at_end=landed(pool, cfg, expected),
         answers_false=answers.count(False), answers_true=answers.count(True),
-        last_answer=answers[-1] if answers else None,
-        new_owner_intact=all(bool((v[dst] == NEW_OWNER).all()) for v in pd_rank.views(pool).values()),
+        last_answer=answers[-1] if answers else None, new_owner_intact=new_owner_intact(side),
         forced_releases=manager.forced_releases, unreleased_after_release=unreleased_after_release,
         in_node_after_release=in_node_after_release, unreleased_at_end=manager.unreleased_receivers,
         in_node_at_end=room in node._receivers, pending=queue.num_pending_deferred_releases(),

@@ -26,7 +26,9 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -205,39 +207,67 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# a rank's module by its role; any other role: pd_rank.py
 RANK_MODULES = {"prealloc": "tests.sglang.prealloc_rank", "release": "tests.sglang.release_rank",
-                "restart": "tests.sglang.restart_rank"}  # any other role: pd_rank.py
+                "restart": "tests.sglang.restart_rank", "tp-prefill": "tests.sglang.tp_rank",
+                "tp-decode": "tests.sglang.tp_rank", "early-prefill": "tests.sglang.tp_rank"}
+RANK_ENV = {"SGLANG_PLUGINS": "dsa_bridge", "SGLANG_HOST_IP": "127.0.0.1", "MC_LOG_LEVEL": "ERROR",
+            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"}
 
 
-def start_rank(role: str, cfgs: list[dict] | dict) -> subprocess.Popen:
-    """One rank's process (its module by ``role``), as sglang's scheduler process would run."""
-    env = {**os.environ, "SGLANG_PLUGINS": "dsa_bridge", "SGLANG_HOST_IP": "127.0.0.1",
-           "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
-           "MC_LOG_LEVEL": "ERROR"}
-    return subprocess.Popen([sys.executable, "-m", RANK_MODULES.get(role, "tests.sglang.pd_rank"), role,
-                             json.dumps(cfgs)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def start_rank(role: str, cfgs: list[dict] | dict, module: str | None = None, env: dict | None = None,
+               stdout=subprocess.PIPE, stderr=subprocess.PIPE) -> subprocess.Popen:
+    """One rank's process (``module``, else its module by ``role``), as sglang's scheduler process
+    would run; its environment ``RANK_ENV``, then ``env``, over this one's."""
+    return subprocess.Popen([sys.executable, "-m", module or RANK_MODULES.get(role, "tests.sglang.pd_rank"),
+                             role, json.dumps(cfgs)], cwd=ROOT, env={**os.environ, **RANK_ENV, **(env or {})},
+                            stdout=stdout, stderr=stderr, text=True)
 
 
-def run_ranks(ranks: list[tuple[str, list[dict] | dict]]) -> list:
-    """Every rank at once, each its own process (as sglang's schedulers), stepping through its
-    scenarios (``pd_rank.py``; role "prealloc": ``prealloc_rank.py``, one scenario; role "release":
-    ``release_rank.py``); every process
-    always stopped."""
-    procs = [(role, start_rank(role, cfgs)) for role, cfgs in ranks]
-    results = []
+def run_ranks(ranks: list[tuple[str, list[dict] | dict]], module: str | None = None,
+              env: dict | None = None, timeout_s: float = 420) -> list:
+    """Every rank at once, each its own process (``start_rank``, as sglang's schedulers) stepping
+    through its scenarios; their RESULTs. Output goes to files (a pipe read only after another
+    process ended would fill and block a rank that logs while it waits); every process always
+    stopped."""
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in ranks]
+    procs = []
     try:
-        for role, proc in procs:
-            out, err = proc.communicate(timeout=420)
-            assert proc.returncode == 0, f"{role}:\n{err[-4000:]}"
-            line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
+        for (role, cfgs), (out, err) in zip(ranks, files, strict=True):
+            procs.append(start_rank(role, cfgs, module, env, stdout=out, stderr=err))
+        results = []
+        for (role, _), proc, (out, err) in zip(ranks, procs, files, strict=True):
+            proc.wait(timeout=timeout_s)
+            err.seek(0)
+            assert proc.returncode == 0, f"{role}:\n{err.read()[-4000:]}"
+            out.seek(0)
+            line = next(ln for ln in out.read().splitlines() if ln.startswith("RESULT "))
             results.append(json.loads(line[len("RESULT "):]))
+        return results
     finally:
-        for _, proc in procs:
+        for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-                proc.communicate()
-    return results
+                proc.wait()
+        for out, err in files:
+            out.close()
+            err.close()
+
+
+def scenarios_per_engine(run: Callable[[str], list[list[dict]]], scenarios) -> Callable[[str], dict]:
+    """A module fixture's ``engine -> {scenario: (each rank's result)}``: ``run(engine)`` (each
+    rank's results, one per scenario, in the order of ``scenarios``) on the first call for that
+    engine (a missing engine skips the test), kept for the module's other tests."""
+    done = {}
+
+    def get(engine: str) -> dict:
+        if engine not in done:
+            require_engine(engine)
+            ranks = run(engine)
+            done[engine] = {name: tuple(rank[i] for rank in ranks) for i, name in enumerate(scenarios)}
+        return done[engine]
+
+    return get
 
 
 def run_pd(prefill_cfgs: list[dict], decode_cfgs: list[dict]) -> tuple[list[dict], list[dict]]:

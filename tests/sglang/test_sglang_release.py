@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import require_engine
-
 from .conftest import SGLANG_MISSING
-from .test_sglang_conn import config, free_port, run_ranks
+from .test_sglang_conn import config, free_port, run_ranks, scenarios_per_engine
 
 if SGLANG_MISSING:
     pytest.skip(SGLANG_MISSING, allow_module_level=True)
 
 MODEL = {"layers": 4, "model_layers": 4, "kv_cache_dim": 656}
+ENGINES = ["mooncake", "nixl"]
 DELAY_MS = 3000  # prefill's pause between the two halves of every write
 HOLD = {"DSA_BRIDGE_FAULT_WRITE_DELAY_MS": str(DELAY_MS)}
 SCENARIOS = {  # name: (decode's deferral env, abort mid-write, prefill fault, extra)
@@ -46,22 +45,14 @@ SCENARIOS = {  # name: (decode's deferral env, abort mid-write, prefill fault, e
 @pytest.fixture(scope="module")
 def releases():
     """engine -> {scenario: (prefill result, decode result)}, one process pair per engine."""
-    done = {}
 
     def run(engine: str) -> dict:
-        if engine not in done:
-            require_engine(engine)
-            dist_port = free_port()
-            cfgs = [config(engine, MODEL, env=list(env), abort=abort, fault=fault, dist_port=dist_port,
-                           **extra) for env, abort, fault, extra in SCENARIOS.values()]
-            prefill, decode = run_ranks([("prefill", cfgs), ("release", cfgs)])
-            done[engine] = dict(zip(SCENARIOS, zip(prefill, decode, strict=True), strict=True))
-        return done[engine]
+        dist_port = free_port()
+        cfgs = [config(engine, MODEL, env=list(env), abort=abort, fault=fault, dist_port=dist_port,
+                       **extra) for env, abort, fault, extra in SCENARIOS.values()]
+        return run_ranks([("prefill", cfgs), ("release", cfgs)])
 
-    return run
-
-
-ENGINES = ["mooncake", "nixl"]
+    return scenarios_per_engine(run, SCENARIOS)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

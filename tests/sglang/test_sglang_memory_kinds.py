@@ -1,0 +1,116 @@
+"""Each of sglang's buffers registered as the memory it is (``plugin/sglang/memory_kinds.py``), and
+HiSparse refused on decode at start-up.
+
+On the CPU: the decision from the CUDA driver's answers (host, pinned host, GPU N; managed and
+unknown memory refused), every pointer host memory without CUDA, ``bridge_buffers`` registering
+each KV, indexer and aux buffer as its pointer's device (a pool split over devices refused), the
+aux buffers' devices reaching the engine's descriptors, and dsa-bridge's manager over sglang's own
+pool registering "cpu" here and refusing ``--enable-hisparse`` on decode, naming the flag. On a
+GPU (``gpu`` marker): the driver's answers for a device tensor, a pinned and a plain host tensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .conftest import SGLANG_MISSING, published_context
+
+if SGLANG_MISSING:
+    pytest.skip(SGLANG_MISSING, allow_module_level=True)
+
+from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SGLangPool  # noqa: E402
+
+from dsa_bridge.plugin.sglang.conn import DSABridgeKVManager  # noqa: E402
+from dsa_bridge.plugin.sglang.kvargs import bridge_buffers  # noqa: E402
+from dsa_bridge.plugin.sglang.memory_kinds import (  # noqa: E402
+    CU_MEMORYTYPE_DEVICE,
+    CU_MEMORYTYPE_HOST,
+    CU_MEMORYTYPE_UNIFIED,
+    HOST,
+    PINNED_HOST,
+    MemoryKind,
+    PointerInfo,
+    hisparse_problem,
+    kind_of,
+    pointer_info,
+)
+from dsa_bridge.transfer.plan import as_aux_buffers  # noqa: E402
+
+from .test_sglang_conn import DSV32, kv_args_of  # noqa: E402
+
+
+def test_the_kind_comes_from_the_drivers_answer_for_the_pointer():
+    assert kind_of(0x1000, None) == HOST and HOST.device == "cpu"  # memory CUDA does not know
+    assert kind_of(0x1000, PointerInfo(CU_MEMORYTYPE_HOST, -1)) == PINNED_HOST
+    assert PINNED_HOST.device == "cpu"  # engines register pinned host memory as host memory
+    gpu = kind_of(0x1000, PointerInfo(CU_MEMORYTYPE_DEVICE, 3))
+    assert gpu == MemoryKind("gpu", 3) and gpu.device == "cuda:3"
+    with pytest.raises(ValueError, match="0x1000 is unified .managed. memory: dsa-bridge registers host"):
+        kind_of(0x1000, PointerInfo(CU_MEMORYTYPE_UNIFIED, 0))
+    with pytest.raises(ValueError, match="CUDA memory of type 3"):
+        kind_of(0x1000, PointerInfo(3, 0))
+
+
+def test_without_cuda_every_pointer_is_host_memory():
+    lookup = pointer_info(cuda=False)
+    tensor = torch.zeros(64, dtype=torch.uint8)
+    assert kind_of(tensor.data_ptr(), lookup(tensor.data_ptr())) == HOST
+
+
+@pytest.mark.usefixtures("sglang_context")
+def test_each_buffer_is_registered_as_the_device_of_its_pointer():
+    args = kv_args_of(SGLangPool(**DSV32))
+    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [4096, 8192], [512, 512], [64, 64]
+    gpu_aux = 8192  # e.g. SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK puts the aux on the GPU
+    got = bridge_buffers(args, start_layer=0,
+                         device_of=lambda ptr: "cuda:1" if ptr == gpu_aux else "cpu")
+    assert {d.device for d in got.buffers.buffer_descriptors()} == {"cpu"}
+    assert got.aux == [(4096, 512, 64), (8192, 512, 64)] and got.aux_devices == ["cpu", "cuda:1"]
+    assert [d.device for d in as_aux_buffers(got.aux_buffers)] == ["cpu", "cuda:1"]
+    assert [d.device for d in as_aux_buffers(got.aux)] == ["cpu", "cpu"]  # triples: host memory
+    on_gpu = bridge_buffers(args, start_layer=0, device_of=lambda ptr: "cuda:0")
+    assert {d.device for d in on_gpu.buffers.buffer_descriptors()} == {"cuda:0"}
+    # HiSparse's split: KV in host memory, the indexer on the GPU
+    kv = set(args.kv_data_ptrs)
+    with pytest.raises(ValueError, match=r"KV and indexer buffers are on \['cpu', 'cuda:0'\]"):
+        bridge_buffers(args, start_layer=0, device_of=lambda ptr: "cpu" if ptr in kv else "cuda:0")
+
+
+def test_hisparse_is_refused_on_decode_only_naming_the_flag():
+    assert hisparse_problem(decode=False, enable_hisparse=True) is None
+    assert hisparse_problem(decode=True, enable_hisparse=False) is None
+    assert "--enable-hisparse" in hisparse_problem(decode=True, enable_hisparse=True)
+
+
+def manager(mode: str, **fields):
+    with published_context(disaggregation_mode=mode, disaggregation_transfer_backend="nixl",
+                           **fields) as server_args:
+        args = kv_args_of(SGLangPool(**DSV32))
+        args.kv_cache_dtype_str = "fp8_e4m3"
+        return DSABridgeKVManager(args, DisaggregationMode(mode), server_args, True)
+
+
+def test_the_manager_registers_sglangs_cpu_pool_as_host_memory_and_refuses_hisparse_on_decode():
+    decode = manager("decode")
+    try:
+        assert decode.pool.device == "cpu"
+        assert {d.device for d in decode.pool.buffer_descriptors()} == {"cpu"}
+        assert decode.bridge.aux_devices == ["cpu"]
+    finally:
+        decode.shutdown()
+    with pytest.raises(ValueError, match="does not serve --enable-hisparse on decode"):
+        manager("decode", enable_hisparse=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_the_drivers_answers_for_device_pinned_and_plain_host_memory():
+    lookup = pointer_info(cuda=True)
+    device = torch.zeros(64, dtype=torch.uint8, device="cuda:0")
+    pinned = torch.zeros(64, dtype=torch.uint8).pin_memory()
+    plain = torch.zeros(64, dtype=torch.uint8)
+    assert kind_of(device.data_ptr(), lookup(device.data_ptr())) == MemoryKind("gpu", 0)
+    assert kind_of(pinned.data_ptr(), lookup(pinned.data_ptr())) == PINNED_HOST
+    assert kind_of(plain.data_ptr(), lookup(plain.data_ptr())) == HOST

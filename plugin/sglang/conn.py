@@ -69,6 +69,7 @@ radix-cache prefixes of whole pages (as sglang's radix cache makes them).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -89,12 +90,14 @@ from sglang.srt.disaggregation.common.conn import (
 )
 from sglang.srt.disaggregation.pp_consensus_store import PPConsensusStore
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import get_ib_devices_for_gpu
 from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_disagg, get_memory, get_parallel, get_serving
 from sglang.srt.utils.network import NetworkAddress, get_local_ip_auto
 
 from ...transfer import auth
 from ...transfer.backends import create_backend
+from ...transfer.backends.environment import rdma_devices
 from ...transfer.decode import DecodeNode, KVReceiver
 from ...transfer.handshake import HandshakeError
 from ...transfer.prefill import PrefillNode
@@ -104,6 +107,7 @@ from .bringup import (
     backend_of,
     bootstrap_host,
     dp_route,
+    engine_options,
     pairing_problems,
     sglang_class,
 )
@@ -156,6 +160,13 @@ class DSABridgeKVManager(BaseKVManager):
         self.system_dp_size = parallel.dp_size
         self.system_dp_rank = getattr(args, "system_dp_rank", 0) or 0
         self.local_ip = get_local_ip_auto()
+        ib_devices = get_ib_devices_for_gpu(getattr(args, "ib_device", None),
+                                            getattr(args, "gpu_id", 0) or 0)
+        self.engine_options = engine_options(  # RDMA where there is a device, as sglang's engine
+            self.backend, protocol=envs.MOONCAKE_PROTOCOL.get(), ib_devices=ib_devices,
+            forced_tcp=os.environ.get("MC_FORCE_TCP") == "1",
+            rdma_present=bool(rdma_devices(ib_devices or "")))
+        self._transport_logged = False
         limits = [name for name, on in (
             ("attention context parallelism (attn_cp_size > 1)", parallel.attn_cp_size > 1),
             ("KV cache sharding", bool(parallel.enable_kv_cache_sharding)),
@@ -213,10 +224,11 @@ class DSABridgeKVManager(BaseKVManager):
                     f"sglang's detection), which is not a loopback address: set {auth.SECRET_ENV} to "
                     "the same secret on prefill and decode") from None
             self.node = PrefillNode(
-                self.pool, create_backend(self.backend, host=self.local_ip),
+                self.pool, create_backend(self.backend, host=self.local_ip, **self.engine_options),
                 listen=f"{self.local_ip}:0", name=name, aux_buffers=self.bridge.aux_buffers,
                 request_timeout_s=self.phase_limits.node_timeout_s,
                 secret=self.secret, checksums=self.checksums)
+            self.log_transport(self.node.backend)
             self.register_to_bootstrap()
             if self.pp_size > 1:
                 self._start_stage_consensus(parallel.pp_group)
@@ -354,6 +366,15 @@ class DSABridgeKVManager(BaseKVManager):
         self.prefill_info_table[bootstrap_addr] = info
         return True
 
+    def log_transport(self, backend) -> None:
+        """Say once per rank what moves its cache: the engine and the transport it installed
+        (Mooncake: RDMA, or TCP where asked or where this machine has no RDMA device)."""
+        if not self._transport_logged:
+            self._transport_logged = True
+            log.info("dsa-bridge: rank dp%d-tp%d-pp%d moves its cache with %s over %s (options %s)",
+                     self.attn_dp_rank, self.attn_tp_rank, self.pp_rank, self.backend,
+                     backend.transport(), self.engine_options or "the engine's own")
+
     def register_dp_rank(self, bootstrap_addr: str, room: int) -> None:
         """Tell the bootstrap server this rank's DP rank serves ``room`` (``POST
         /register_dp_rank``), which sglang's decode queries when it cannot compute it, as
@@ -455,7 +476,9 @@ class DSABridgeKVManager(BaseKVManager):
     def _connect(self, bootstrap_addr: str, dp_rank: int) -> DecodeNode:
         stages = self.prefill_info_table[bootstrap_addr].pp_size
         endpoints = [self._rank_endpoint(bootstrap_addr, dp_rank, p) for p in range(stages)]
-        return DecodeNode(self.pool, create_backend(self.backend, host=self.local_ip),
+        backend = create_backend(self.backend, host=self.local_ip, **self.engine_options)
+        self.log_transport(backend)
+        return DecodeNode(self.pool, backend,
                           endpoints, name=f"decode-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}",
                           request_timeout_s=self.phase_limits.node_timeout_s,
                           in_flight_grace_s=IN_FLIGHT_GRACE_S, quarantine_timeout_s=QUARANTINE_TIMEOUT_S,

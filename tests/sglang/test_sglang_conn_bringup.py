@@ -16,6 +16,7 @@ prefill.)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 
@@ -158,6 +159,17 @@ def registered_rank(port: int) -> dict:
     return response.json()
 
 
+@contextlib.contextmanager
+def bootstrap_server(host: str = "127.0.0.1"):
+    """sglang's bootstrap server (dsa-bridge's: the same routes) on a free port; yields the port."""
+    port = free_port()
+    server = conn.DSABridgeKVBootstrapServer(host, port)
+    try:
+        yield port
+    finally:
+        server.close()
+
+
 def prefill_manager(server_args):
     args = kv_args(BridgeDSATokenToKVPool(**DSV32))
     return conn.DSABridgeKVManager(args, DisaggregationMode.PREFILL, server_args, True)
@@ -168,23 +180,19 @@ def test_prefill_rank_registers_sglang_host_ip_and_listens_there_with_host_0000(
     ip = routable_ip()
     monkeypatch.setenv("SGLANG_HOST_IP", ip)
     monkeypatch.delenv("DSA_BRIDGE_SECRET", raising=False)
-    port = free_port()
-    server = conn.DSABridgeKVBootstrapServer("0.0.0.0", port)
-    try:
-        with published_context(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl",
-                               disaggregation_bootstrap_port=port, host="0.0.0.0") as sa:
-            with pytest.raises(RuntimeError, match=f"listens on {ip} .*set DSA_BRIDGE_SECRET to the same"):
-                prefill_manager(sa)  # a routable listener needs the shared secret
-            monkeypatch.setenv("DSA_BRIDGE_SECRET", "s3cret")
-            manager = prefill_manager(sa)
-            try:
-                rank = registered_rank(port)  # registered at 127.0.0.1: one node, sglang's choice
-                assert rank["rank_ip"] == ip and f"{ip}:{rank['rank_port']}" == manager.node.endpoint
-                socket.create_connection((ip, rank["rank_port"]), timeout=5).close()  # reachable there
-            finally:
-                manager.shutdown()
-    finally:
-        server.close()
+    with (bootstrap_server("0.0.0.0") as port,
+          published_context(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl",
+                            disaggregation_bootstrap_port=port, host="0.0.0.0") as sa):
+        with pytest.raises(RuntimeError, match=f"listens on {ip} .*set DSA_BRIDGE_SECRET to the same"):
+            prefill_manager(sa)  # a routable listener needs the shared secret
+        monkeypatch.setenv("DSA_BRIDGE_SECRET", "s3cret")
+        manager = prefill_manager(sa)
+        try:
+            rank = registered_rank(port)  # registered at 127.0.0.1: one node, sglang's choice
+            assert rank["rank_ip"] == ip and f"{ip}:{rank['rank_port']}" == manager.node.endpoint
+            socket.create_connection((ip, rank["rank_port"]), timeout=5).close()  # reachable there
+        finally:
+            manager.shutdown()
 
 
 def test_bootstrap_host_is_sglangs_choice():
@@ -251,31 +259,27 @@ def test_prefill_registers_its_dp_rank_where_decode_must_ask_and_fails_a_conflic
 
     monkeypatch.setenv("SGLANG_HOST_IP", "127.0.0.1")
 
-    port = free_port()
-    server = conn.DSABridgeKVBootstrapServer("127.0.0.1", port)
-    addr = f"127.0.0.1:{port}"
-    try:
-        for method in ("round_robin", "follow_bootstrap_room"):
-            with published_context(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl",
-                                   disaggregation_bootstrap_port=port, host="127.0.0.1", dp_size=2,
-                                   load_balance_method=method) as sa:
-                manager = prefill_manager(sa)
-                try:
-                    manager.attn_dp_rank = 1  # this rank serves DP group 1
-                    senders = [conn.DSABridgeKVSender(manager, addr, room) for room in (40, 41)]
-                    if method == "round_robin":
-                        assert CommonKVReceiver.query_prefill_dp_ranks(addr, [40, 41, 42]) == {
-                            "40": 1, "41": 1}  # 42 was never dispatched
-                        assert [s.poll() for s in senders] == [1, 1]  # Bootstrapping
-                    else:
-                        assert [s.poll() for s in senders] == [0, 1]  # 40 % 2 == 0: not ours
-                        with pytest.raises(RuntimeError, match="follow_bootstrap_room conflict: "
-                                           "dispatched to dp_rank 1 but bootstrap_room 40"):
-                            senders[0].failure_exception()
-                finally:
-                    manager.shutdown()
-    finally:
-        server.close()
+    for method in ("round_robin", "follow_bootstrap_room"):
+        with (bootstrap_server() as port,
+              published_context(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl",
+                                disaggregation_bootstrap_port=port, host="127.0.0.1", dp_size=2,
+                                load_balance_method=method) as sa):
+            addr = f"127.0.0.1:{port}"
+            manager = prefill_manager(sa)
+            try:
+                manager.attn_dp_rank = 1  # this rank serves DP group 1
+                senders = [conn.DSABridgeKVSender(manager, addr, room) for room in (40, 41)]
+                if method == "round_robin":
+                    assert CommonKVReceiver.query_prefill_dp_ranks(addr, [40, 41, 42]) == {
+                        "40": 1, "41": 1}  # 42 was never dispatched
+                    assert [s.poll() for s in senders] == [1, 1]  # Bootstrapping
+                else:
+                    assert [s.poll() for s in senders] == [0, 1]  # 40 % 2 == 0: not ours
+                    with pytest.raises(RuntimeError, match="follow_bootstrap_room conflict: "
+                                       "dispatched to dp_rank 1 but bootstrap_room 40"):
+                        senders[0].failure_exception()
+            finally:
+                manager.shutdown()
 
 
 # ---- shapes refused at start-up, by name ----------------------------------------------------------
@@ -296,3 +300,46 @@ def test_a_shape_dsa_bridge_does_not_serve_is_refused_at_start_up_by_name(mode, 
         args = kv_args(BridgeDSATokenToKVPool(**DSV32))
         with pytest.raises(ValueError, match=f"does not support {named}"):
             conn.DSABridgeKVManager(args, DisaggregationMode(mode), sa, True)
+
+
+# ---- the transport: RDMA where there is a device, as sglang's own engine ----------------------------
+
+@pytest.mark.parametrize(("backend", "protocol", "devices", "forced", "present", "expected"), [
+    ("mooncake", "rdma", "mlx5_0,mlx5_1", False, True, {"protocol": "rdma", "device_name": "mlx5_0,mlx5_1"}),
+    ("mooncake", "rdma", None, False, True, {"protocol": "rdma", "device_name": ""}),  # all devices
+    ("mooncake", "rdma", "mlx5_0", True, True, {"protocol": "tcp", "device_name": ""}),  # mooncake_tcp
+    ("mooncake", "rdma", None, False, False, {"protocol": "tcp", "device_name": ""}),  # no device here
+    ("mooncake", "tcp", "mlx5_0", False, True, {"protocol": "tcp", "device_name": "mlx5_0"}),
+    ("nixl", "rdma", "mlx5_0", False, True, {}),  # UCX chooses
+])
+def test_engine_options_are_sglangs_choice(backend, protocol, devices, forced, present, expected):
+    assert bringup.engine_options(backend, protocol=protocol, ib_devices=devices, forced_tcp=forced,
+                                  rdma_present=present) == expected
+
+
+def test_an_unserved_mooncake_protocol_is_refused_at_start_up(monkeypatch):
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "efa")
+    with published_context(disaggregation_mode="decode", disaggregation_transfer_backend="mooncake") as sa:
+        with pytest.raises(ValueError, match="MOONCAKE_PROTOCOL='efa': dsa-bridge's Mooncake transfer "
+                                             "serves 'rdma' and 'tcp'"):
+            conn.DSABridgeKVManager(kv_args(BridgeDSATokenToKVPool(**DSV32)), DisaggregationMode.DECODE,
+                                    sa, True)
+
+
+def test_the_transport_is_said_once_per_rank(monkeypatch, caplog):
+    """On this machine (no RDMA device) Mooncake runs over TCP, and the rank says so once."""
+    require_engine("mooncake")
+    monkeypatch.setenv("SGLANG_HOST_IP", "127.0.0.1")
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    with (bootstrap_server() as port,
+          published_context(disaggregation_mode="prefill", disaggregation_transfer_backend="mooncake",
+                            disaggregation_bootstrap_port=port, host="127.0.0.1") as sa):
+        with caplog.at_level(logging.INFO, logger="dsa_bridge.plugin.sglang.conn"):
+            manager = prefill_manager(sa)
+            manager.log_transport(manager.node.backend)  # asked again: said once
+        try:
+            said = [r.getMessage() for r in caplog.records if "moves its cache" in r.getMessage()]
+            assert len(said) == 1 and "with mooncake over tcp" in said[0]
+            assert manager.engine_options == {"protocol": "tcp", "device_name": ""}
+        finally:
+            manager.shutdown()

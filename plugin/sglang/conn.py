@@ -128,6 +128,9 @@ TERMINAL = (KVPoll.Failed, KVPoll.Success)
 # decode's fence (DecodeNode): a failed engine write's bytes may land for IN_FLIGHT_GRACE_S after
 # prefill reports it; pages on a silent prefill are held up to QUARANTINE_TIMEOUT_S
 IN_FLIGHT_GRACE_S = 35.0
+# the staged route is off inside sglang: it is slower for DSA pages on every engine measured
+# (docs/benchmarks.md) and its staging area would be device memory taken from the KV cache
+STAGING_BYTES = 0
 QUARANTINE_TIMEOUT_S = 600.0
 DEFERRED_RELEASE_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 
@@ -227,7 +230,8 @@ class DSABridgeKVManager(BaseKVManager):
                 self.pool, create_backend(self.backend, host=self.local_ip, **self.engine_options),
                 listen=f"{self.local_ip}:0", name=name, aux_buffers=self.bridge.aux_buffers,
                 request_timeout_s=self.phase_limits.node_timeout_s,
-                secret=self.secret, checksums=self.checksums)
+                secret=self.secret, checksums=self.checksums, route="direct",
+                staging_bytes=STAGING_BYTES)
             self.log_transport(self.node.backend)
             self.register_to_bootstrap()
             if self.pp_size > 1:
@@ -483,7 +487,7 @@ class DSABridgeKVManager(BaseKVManager):
                           request_timeout_s=self.phase_limits.node_timeout_s,
                           in_flight_grace_s=IN_FLIGHT_GRACE_S, quarantine_timeout_s=QUARANTINE_TIMEOUT_S,
                           aux_buffers=self.bridge.aux_buffers, secret=self.secret,
-                          checksums=self.checksums)
+                          checksums=self.checksums, staging_bytes=STAGING_BYTES)
 
     # ---- decode: sglang's deferred release, answered by the fence ----------------------------
     def _log_release_bounds(self) -> None:

@@ -22,7 +22,6 @@ thus counts, and its checksums are verified, over the pages as the scatter left 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from ..plan import buffer_order
 from ..request import TERMINAL
 from ..slices import device_pages, scatter, staging_for
 from ..staging import slice_offsets, split_area, staging_size
+from .job_thread import JobThread
 from .receiver import KVReceiver
 from .sessions import PrefillPeer
 
@@ -66,9 +66,7 @@ class SliceScatter:
             self.areas = [protocol.StagingArea(self._area.data_ptr() + offset, self.slice_bytes,
                                                slices)
                           for offset, slices in split_area(self.nbytes, self.slice_bytes, peers)]
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"{name}-scatter", daemon=True)
-        self._thread.start()
+        self._thread = JobThread(f"{name}-scatter", self._handle)
 
     def regions(self) -> list[BufferDescriptor]:
         """The staging area to register with the engine (none when staging is off)."""
@@ -108,34 +106,29 @@ class SliceScatter:
 
     def _queue_locked(self, job: tuple) -> None:
         self._pending += 1
-        self._jobs.put(job)
+        self._thread.put(job)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout_s)
+        self._thread.close(timeout_s)
 
     # ---- the scatter thread -----------------------------------------------------------------
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            peer, receiver, message = job
-            try:
-                if isinstance(message, protocol.SliceWritten):
-                    self._slice(peer, receiver, message)
-                else:
-                    with self._lock:
-                        receiver(peer, message, time.monotonic())  # a deferred handler
-            except protocol.ProtocolError as exc:
-                log.warning("dropped a message from prefill %s: %s", peer.endpoint, exc)
-            except Exception:  # a bug must not stop the thread
-                log.exception("handling a %s from prefill %s failed", type(message).__name__,
-                              peer.endpoint)
-            finally:
+    def _handle(self, job: tuple) -> None:
+        peer, receiver, message = job
+        try:
+            if isinstance(message, protocol.SliceWritten):
+                self._slice(peer, receiver, message)
+            else:
                 with self._lock:
-                    self._pending -= 1
+                    receiver(peer, message, time.monotonic())  # a deferred handler
+        except protocol.ProtocolError as exc:
+            log.warning("dropped a message from prefill %s: %s", peer.endpoint, exc)
+        except Exception:  # a bug must not stop the thread
+            log.exception("handling a %s from prefill %s failed", type(message).__name__,
+                          peer.endpoint)
+        finally:
+            with self._lock:
+                self._pending -= 1
 
     def _slice(self, peer: PrefillPeer, receiver: KVReceiver | None,
                written: protocol.SliceWritten) -> None:

@@ -12,8 +12,6 @@ request stays Transferring meanwhile; one that failed meanwhile is skipped.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from typing import Protocol
 
@@ -21,6 +19,7 @@ import numpy as np
 
 from .. import checksum, protocol
 from ..request import TERMINAL, RequestState
+from .job_thread import JobThread
 
 log = logging.getLogger(__name__)
 
@@ -44,35 +43,28 @@ class ChunkVerifier:
     def __init__(self, pool, name: str):
         self._pool = pool
         self._views: dict | None = None  # made on first use: a node without checksums needs none
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"{name}-verifier", daemon=True)
-        self._thread.start()
+        self._thread = JobThread(f"{name}-verifier", self._verify)
 
     def submit(self, request: VerifiedRequest, done: protocol.ChunkDone, peer) -> None:
         """Queue a chunk ``peer`` reported for ``request``."""
-        self._jobs.put((request, done, peer))
+        self._thread.put((request, done, peer))
 
     def close(self, timeout_s: float = 10.0) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout_s)
+        self._thread.close(timeout_s)
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            request, done, peer = job
-            if request.state.status in TERMINAL:  # failed meanwhile: nothing left to prove
-                continue
-            started = time.perf_counter()
-            problem, verified = "", 0
-            try:
-                if self._views is None:
-                    self._views = checksum.pool_views(self._pool)
-                verified = checksum.verify_chunk(self._views, request.page_ids, done.checksums)
-            except checksum.ChecksumError as exc:
-                problem = str(exc)
-            except Exception as exc:  # a bug must fail the request, not stop the verifier
-                log.exception("room %d: verifying checksums failed", request.room)
-                problem = f"internal error verifying checksums: {type(exc).__name__}: {exc}"
-            request.chunk_verified(done, peer, problem, verified, time.perf_counter() - started)
+    def _verify(self, job: tuple) -> None:
+        request, done, peer = job
+        if request.state.status in TERMINAL:  # failed meanwhile: nothing left to prove
+            return
+        started = time.perf_counter()
+        problem, verified = "", 0
+        try:
+            if self._views is None:
+                self._views = checksum.pool_views(self._pool)
+            verified = checksum.verify_chunk(self._views, request.page_ids, done.checksums)
+        except checksum.ChecksumError as exc:
+            problem = str(exc)
+        except Exception as exc:  # a bug must fail the request, not stop the verifier
+            log.exception("room %d: verifying checksums failed", request.room)
+            problem = f"internal error verifying checksums: {type(exc).__name__}: {exc}"
+        request.chunk_verified(done, peer, problem, verified, time.perf_counter() - started)

@@ -176,7 +176,10 @@ class DSABridgeKVManager(BaseKVManager):
             ("a decode side with several pipeline stages",
              disaggregation_mode == DisaggregationMode.DECODE and self.pp_size > 1),
             ("--disaggregation-decode-allocation-policy prefill_complete (use the default)",
-             get_disagg().disaggregation_decode_allocation_policy == "prefill_complete")) if on]
+             get_disagg().disaggregation_decode_allocation_policy == "prefill_complete"),
+            ("--enable-memory-saver (the engines' registrations of the cache would outlive "
+             "sglang's release of its memory)", bool(getattr(server_args, "enable_memory_saver",
+                                                           False)))) if on]
         if limits:
             raise ValueError(f"dsa-bridge's transfer does not support {', '.join(limits)} (docs/sglang.md)")
         prefill = disaggregation_mode == DisaggregationMode.PREFILL

@@ -458,8 +458,7 @@ class DSABridgeKVManager(BaseKVManager):
                 self.prefill_info_table[bootstrap_addr] = known  # not registered again yet
             return False  # (refused now: its requests fail with the reason)
         try:
-            stages = self.prefill_info_table[bootstrap_addr].pp_size
-            endpoints = [self._rank_endpoint(bootstrap_addr, dp_rank, p) for p in range(stages)]
+            endpoints = self._group_endpoints(bootstrap_addr, dp_rank)
         except (HandshakeError, requests.RequestException, KeyError, ValueError) as exc:
             log.info("dsa-bridge: prefill %s (dp %d) unreachable, its new endpoints not known: %s",
                      bootstrap_addr, dp_rank, exc)
@@ -480,9 +479,13 @@ class DSABridgeKVManager(BaseKVManager):
             node.close()
             self.retired_nodes.remove(node)
 
-    def _connect(self, bootstrap_addr: str, dp_rank: int) -> DecodeNode:
+    def _group_endpoints(self, bootstrap_addr: str, dp_rank: int) -> list[str]:
+        """The control endpoints of DP group ``dp_rank``'s ranks at this TP rank, one per stage."""
         stages = self.prefill_info_table[bootstrap_addr].pp_size
-        endpoints = [self._rank_endpoint(bootstrap_addr, dp_rank, p) for p in range(stages)]
+        return [self._rank_endpoint(bootstrap_addr, dp_rank, p) for p in range(stages)]
+
+    def _connect(self, bootstrap_addr: str, dp_rank: int) -> DecodeNode:
+        endpoints = self._group_endpoints(bootstrap_addr, dp_rank)
         backend = create_backend(self.backend, host=self.local_ip, **self.engine_options)
         self.log_transport(backend)
         return DecodeNode(self.pool, backend,

@@ -25,7 +25,7 @@ import requests
 
 import tests.sglang.conftest as shims  # noqa: F401  (the shims, before sglang)
 from dsa_bridge.plugin.sglang.mixed import marked_route_query
-from tests.sglang.pd_rank import close, make_pool, metadata_buffers, scheduler_stand_in
+from tests.sglang.pd_rank import close, make_pool, metadata_buffers, reason_of, scheduler_stand_in
 from tests.transfer.helpers import wait_for
 
 END_S = 30.0
@@ -108,10 +108,9 @@ def run_decode(cfg: dict, server_args) -> dict:
         time.sleep(0.05)
     result = {"manager": type(manager).__name__, "poll": int(receiver.poll()), "t0": t0,
               "elapsed_s": time.time() - t0, "initialised": initialised}
-    try:
-        receiver.failure_exception()
-    except Exception as exc:  # what sglang's queue logs and aborts the request with
-        result["reason"] = str(exc)
+    reason = reason_of(receiver)
+    if reason:
+        result["reason"] = reason
     Path(cfg["done"]).touch()
     return result
 

@@ -33,6 +33,15 @@ from tests.transfer.helpers import wait_for
 SENTINEL = 0xA5
 
 
+def reason_of(handle) -> str:
+    """Why a failed sender or receiver failed, as sglang's queue logs it ("" if not failed)."""
+    try:
+        handle.failure_exception()
+    except Exception as exc:  # what sglang's queue would log and abort the request with
+        return str(exc)
+    return ""
+
+
 def pool_kwargs(cfg: dict) -> dict:
     import torch
 
@@ -199,10 +208,7 @@ def run_prefill(cfg: dict, server_args, groups=None) -> dict:
             pass
     result["sender"] = type(sender).__qualname__
     if sender.poll() == KVPoll.Failed:  # decode gave the request up before it sent its pages
-        try:
-            sender.failure_exception()
-        except Exception as exc:  # the reason sglang's queue would log
-            result["reason"] = str(exc)
+        result["reason"] = reason_of(sender)
     if sender.poll() in (KVPoll.Bootstrapping, KVPoll.Failed):
         result.update(poll=int(sender.poll()), refused=list(manager.node.refusals))
         manager.shutdown()
@@ -276,10 +282,7 @@ def run_decode(cfg: dict, server_args) -> dict:
     receiver.init(0 if info.dp_size == 1 else cfg["room"] % info.dp_size)
     wait_for(lambda: receiver.poll() != KVPoll.Bootstrapping, 30, "decode bootstrap")
     if receiver.poll() == KVPoll.Failed:
-        try:
-            receiver.failure_exception()
-        except Exception as exc:  # the reason sglang's queue would log
-            result["reason"] = str(exc)
+        result["reason"] = reason_of(receiver)
         result.update(poll=int(receiver.poll()),
                       untouched=all(bool((v == SENTINEL).all()) for v in views(pool).values()))
         manager.shutdown()
@@ -290,10 +293,7 @@ def run_decode(cfg: dict, server_args) -> dict:
     wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), 60, "decode end")
     result["poll"] = int(receiver.poll())
     if receiver.poll() == KVPoll.Failed:
-        try:
-            receiver.failure_exception()
-        except Exception as exc:  # the reason sglang's queue would log
-            result["reason"] = str(exc)
+        result["reason"] = reason_of(receiver)
     result.update(compare(cfg, pool, metadata, receiver))
     receiver.clear()
     manager.shutdown()

@@ -27,6 +27,7 @@ from tests.sglang.pd_rank import (
     fill_pool,
     make_pool,
     metadata_buffers,
+    reason_of,
     run_scenarios,
     scheduler_stand_in,
     views,
@@ -34,14 +35,6 @@ from tests.sglang.pd_rank import (
 from tests.transfer.helpers import wait_for
 
 END_S = 60.0  # every wait of a scenario is bounded by this
-
-
-def reason_of(handle) -> str:
-    try:
-        handle.failure_exception()
-    except Exception as exc:  # what sglang's queue would log and abort the request with
-        return str(exc)
-    return ""
 
 
 def run_prefill(cfg: dict, server_args) -> dict:

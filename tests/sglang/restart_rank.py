@@ -21,6 +21,7 @@ from tests.sglang.pd_rank import (
     compare,
     make_pool,
     metadata_buffers,
+    reason_of,
     scheduler_stand_in,
     views,
 )
@@ -58,10 +59,7 @@ def serve(configs: list[dict], server_args) -> list[dict]:
             result.update(compare(cfg, pool, metadata, receiver))
             result["prefill"] = receiver.bootstrap_infos
         else:
-            try:
-                receiver.failure_exception()
-            except Exception as exc:  # the reason sglang's queue would log
-                result["reason"] = str(exc)
+            result["reason"] = reason_of(receiver)
         receiver.clear()
         result["nodes"] = len(manager.decode_nodes)
         result["retired"] = len(manager.retired_nodes)

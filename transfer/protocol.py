@@ -28,6 +28,8 @@ from ..plugin.descriptors import MAX_KIND_CHARS, BufferDescriptor
 #    prefill dead), HelloAck echoes the epoch and names the rooms a failed write may still land in.
 # The staged route added only optional fields (Hello.staging, ChunkDone.slices) and two messages
 # sent only to a peer whose Hello offered a staging area: version 3 peers without it still pair.
+# Different attention-TP widths added only optional fields (RequestPages.copies, .nothing_to_send),
+# sent only by a decode whose width differs from its prefill's.
 PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # of any message; each node's sockets take less (limits.py)
 
@@ -47,6 +49,8 @@ HASH_CHARS = 64  # sha256 hex
 MAX_ROOMS = 4096  # rooms named in one HelloAck (those of a dropped session whose failed write may land)
 MAX_AUX_BUFFERS = 64  # SGLang's metadata buffers: about ten
 MAX_SLICES = 4096  # of one staging area (256 MiB in slices of 64 KiB)
+MAX_ROOM = 2**63 - 1  # room ids are SGLang bootstrap rooms: non-negative 63-bit
+MAX_COPIES = 64  # decode nodes one request goes to from one prefill node: the widest attention TP
 
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
@@ -104,13 +108,19 @@ class RequestPages(msgspec.Struct, frozen=True, tag="request"):
     """Decode has allocated ``dst_pages`` for ``room``; prefill writes the request there, and
     its aux slots into decode's slot ``aux_index`` (-1: none). ``prefix_tokens``: the request's
     first tokens decode holds already (its radix cache); ``dst_pages`` are for the rest, and
-    prefill sends only the rest."""
+    prefill sends only the rest. ``copies``: how many decode nodes each receive the whole
+    request from this prefill (a decode wider than prefill's attention TP: each of its ranks
+    announces its own pages, and prefill writes once all did). ``nothing_to_send``: this decode
+    reads the request from another prefill rank (a prefill wider than decode's attention TP):
+    no pages, and this prefill's sender succeeds with its last chunk, writing nothing."""
 
     room: int
     dst_pages: list[int]
     num_tokens: int
     aux_index: int = -1
     prefix_tokens: int = 0
+    copies: int = 1
+    nothing_to_send: bool = False
 
 
 class PageChecksums(msgspec.Struct, frozen=True, array_like=True):

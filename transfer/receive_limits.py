@@ -77,7 +77,8 @@ def hello_bytes(layout: DSALayout, backend: str) -> int:
 
 
 def request_pages_bytes(pages: int) -> int:
-    return len(protocol.encode(protocol.RequestPages(LARGEST, [], LARGEST, LARGEST, LARGEST))) + _ints(pages)
+    largest = protocol.RequestPages(LARGEST, [], LARGEST, LARGEST, LARGEST, LARGEST, True)
+    return len(protocol.encode(largest)) + _ints(pages)
 
 
 def abort_bytes() -> int:

@@ -19,7 +19,7 @@ import pytest
 from dsa_bridge.transfer.counters import Counters
 from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request, sentinel_intact
 from dsa_bridge.transfer.prefill.outcomes import ChunkReporter
-from dsa_bridge.transfer.prefill.records import DecodeDestination, DecodePeer, KVSender
+from dsa_bridge.transfer.prefill.records import DecodeDestination, DecodePeer, Destinations, KVSender
 from dsa_bridge.transfer.request import KVPoll
 
 from .helpers import wait_for
@@ -100,7 +100,7 @@ def test_aborting_a_sender_that_succeeded_tells_decode_nothing():
     sent = []
     destination = DecodeDestination(DecodePeer(b"decode", "decode", "engine", None, 0.0),
                                     np.array([7, 8]), 2 * PAGE, 0.0)
-    reporter = ChunkReporter("prefill", threading.Lock(), Counters(), {1: destination},
+    reporter = ChunkReporter("prefill", threading.Lock(), Counters(), {1: Destinations(1, [destination])},
                              lambda message, identity: sent.append(message))
     succeeded = KVSender(None, 1, 60.0)
     succeeded.state.advance(KVPoll.Success, 0.0)

@@ -141,6 +141,25 @@ class DecodeNode:
             self._receivers[room] = receiver
         return receiver
 
+    def nothing_to_send(self, room: int, prefill: list[str], *, prefix_tokens: int = 0) -> None:
+        """Tell the prefill nodes ``prefill`` (endpoints of this node's peers) that this node
+        reads ``room`` from another prefill node, so their senders of it end with their last
+        chunk, writing nothing (a prefill wider than decode's attention TP: sglang's dummy
+        ranks); ``prefix_tokens`` as the request's own ``init`` gives it. Nothing is kept here:
+        no page of this node is named."""
+        if not 0 <= room <= protocol.MAX_ROOM:
+            raise ValueError(f"room {room} is not in 0..2**63-1")
+        if not isinstance(prefix_tokens, int) or prefix_tokens < 0:
+            raise ValueError(f"prefix_tokens must be a non-negative int, got {prefix_tokens!r}")
+        peers = {peer.endpoint: peer for peer in self.peers}
+        unknown = [endpoint for endpoint in prefill if endpoint not in peers]
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: not a prefill node of {self.name}")
+        for endpoint in prefill:
+            self._loop.send(peers[endpoint].socket,
+                            protocol.RequestPages(room, [], 0, prefix_tokens=prefix_tokens,
+                                                  nothing_to_send=True))
+
     def forget(self, receiver: KVReceiver) -> None:
         """Drop a finished request whose pages went back to the allocator."""
         with self._lock:

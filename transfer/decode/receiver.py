@@ -99,13 +99,17 @@ class KVReceiver(RequestHandle):
     # ---- application thread ----------------------------------------------------------------
 
     def init(self, page_ids, num_tokens: int = 0, aux_index: int | None = None, *,
-             prefix_tokens: int = 0) -> None:
+             prefix_tokens: int = 0, copies: int = 1) -> None:
         """Send the pages decode allocated for this request (and its aux slot) to its prefill
         node(s). ``prefix_tokens``: the request's first tokens decode holds already (its radix
-        cache): ``page_ids`` are for the rest, which is all prefill sends."""
+        cache): ``page_ids`` are for the rest, which is all prefill sends. ``copies``: how many
+        decode nodes (this one included) each receive the whole request from the same prefill
+        node (a decode wider than prefill's attention TP)."""
         context = self._context
         if not isinstance(prefix_tokens, int) or prefix_tokens < 0:
             raise ValueError(f"prefix_tokens must be a non-negative int, got {prefix_tokens!r}")
+        if not isinstance(copies, int) or not 1 <= copies <= protocol.MAX_COPIES:
+            raise ValueError(f"copies must be an int in 1..{protocol.MAX_COPIES}, got {copies!r}")
         try:
             self.aux_index = check_aux_index(context.aux_buffers, aux_index, "aux_index")
         except PlanError as exc:
@@ -134,7 +138,7 @@ class KVReceiver(RequestHandle):
         for peer in self.peers:
             aux = self.aux_index if peer is aux_peer else -1
             context.send(peer.socket, protocol.RequestPages(self.room, pages.tolist(), int(num_tokens),
-                                                            aux, prefix_tokens))
+                                                            aux, prefix_tokens, copies))
 
     def abort(self, reason: str = "aborted by decode") -> None:
         with self._context.lock:

@@ -46,7 +46,7 @@ from ..plan import as_aux_buffers
 from ..staging import check_route
 from .checksums import ChunkChecksums
 from .outcomes import ChunkReporter
-from .records import DecodeDestination, DecodePeer, IncomingRequest, KVSender
+from .records import DecodePeer, Destinations, IncomingRequest, KVSender
 from .requests import RequestBook
 from .sessions import HelloResponder, Sessions
 from .stager import Stager
@@ -90,7 +90,7 @@ class PrefillNode:
 
         self._lock = threading.Lock()
         self._sessions = Sessions()
-        self._destinations: dict[int, DecodeDestination] = {}  # room -> where decode wants it
+        self._destinations: dict[int, Destinations] = {}  # room -> where decode wants it
         self._responder = HelloResponder(name, self.layout, backend.name, self.buffers,
                                          self.aux_buffers, secret)
         self._page_sums = ChunkChecksums(pool, self.counters, enabled=checksums)

@@ -9,7 +9,9 @@ The reporter owns the prefill side's ``ChunkDone`` messages and the end of a req
 - ``fail_locked``: a request fails (counted and logged once). Decode is told once
   (``ChunkDone(ok=False)``), and only once no write of ours into its pages can still run
   (``busy == 0``) and while decode's destination for it is on record: a destination dropped with
-  its decode node is reported through that node's next handshake instead (the fence);
+  its decode node is reported through that node's next handshake instead (the fence). With
+  several decode nodes (``Destinations``), each is told, and the request succeeds once each
+  received its last chunk;
 - ``refuse``: a request decode announced is refused before any sender is involved.
 
 Messages go through ``send`` (the control loop's thread-safe queue), so a lane reports without
@@ -27,7 +29,7 @@ from collections.abc import Callable, Mapping
 from .. import protocol
 from ..counters import Counters
 from ..request import KVPoll
-from .records import DecodeDestination, DecodePeer, KVSender
+from .records import DecodeDestination, DecodePeer, Destinations, KVSender
 from .writer import Result
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ class ChunkReporter:
     """Reports chunks and failures to decode and counts them (see the module docstring)."""
 
     def __init__(self, name: str, lock: threading.Lock, counters: Counters,
-                 destinations: Mapping[int, DecodeDestination], send: Send):
+                 destinations: Mapping[int, Destinations], send: Send):
         self.name = name
         self.counters = counters
         self._lock = lock
@@ -73,19 +75,25 @@ class ChunkReporter:
             self.report_failure_locked(sender, in_flight=in_flight)
 
     def report_failure_locked(self, sender: KVSender, *, in_flight: bool) -> None:
-        """Tell decode once, when no write of ours into its pages is still running."""
-        destination = self._destinations.get(sender.room)
-        if sender.reported or sender.busy or destination is None:
+        """Tell each decode node once, when no write of ours into its pages is still running
+        (not one that received every chunk already: its request is whole)."""
+        destinations = self._destinations.get(sender.room)
+        if sender.reported or sender.busy or destinations is None:
             return
         sender.reported = True
-        self._send(protocol.ChunkDone(
-            sender.room, sender.chunks_sent, ok=False, last=True, reason=sender.state.reason,
-            in_flight=in_flight or sender.write_failed), destination.peer.identity)
+        for destination in [d for d in destinations.to_write() if not d.finished]:
+            self._send(protocol.ChunkDone(
+                sender.room, destination.chunks_written, ok=False, last=True,
+                reason=sender.state.reason, in_flight=in_flight or sender.write_failed),
+                destination.peer.identity)
 
-    def refuse(self, peer: DecodePeer, room: int, reason: str) -> None:
-        """Refuse a request ``peer`` announced (no write of ours into its pages ever ran)."""
+    def refuse(self, peer: DecodePeer, room: int, reason: str, *, tell: bool = True) -> None:
+        """Refuse a request ``peer`` announced (no write of ours into its pages ever ran);
+        ``tell`` False for a decode node that keeps no request to tell (nothing to send)."""
         log.warning("%s: refused room %d from %s: %s", self.name, room, peer.node, reason)
-        self._send(protocol.ChunkDone(room, 0, ok=False, last=True, reason=reason), peer.identity)
+        if tell:
+            self._send(protocol.ChunkDone(room, 0, ok=False, last=True, reason=reason),
+                       peer.identity)
 
     def _chunk_written_locked(self, sender: KVSender, destination: DecodeDestination,
                               result: Result, last: bool) -> None:
@@ -94,12 +102,16 @@ class ChunkReporter:
         if result.slices:
             self.counters.add(staged_chunks=1, staging_slices=result.slices)
         sender.chunks_sent += 1
+        destination.chunks_written += 1
         if sender.state.status == KVPoll.Failed:  # aborted while writing: already reported
             return
         self._send(protocol.ChunkDone(
-            sender.room, sender.chunks_sent - 1, ok=True, last=last, nbytes=plan.nbytes,
+            sender.room, destination.chunks_written - 1, ok=True, last=last, nbytes=plan.nbytes,
             descriptors=plan.descriptors, write_seconds=result.seconds, checksums=result.sums,
             slices=result.slices), destination.peer.identity)
-        if last and sender.state.advance(KVPoll.Success, time.monotonic()):
+        destination.finished = last
+        destinations = self._destinations.get(sender.room)
+        everywhere = destinations is not None and all(d.finished for d in destinations.members)
+        if everywhere and sender.state.advance(KVPoll.Success, time.monotonic()):
             state = sender.state
             self.counters.request_ok(state.finished_at - (state.transferring_at or state.created))

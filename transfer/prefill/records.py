@@ -2,7 +2,8 @@
 
 - ``DecodePeer``: a paired decode node, one epoch of its session (what it announced at its
   handshake, the rooms it announced since);
-- ``DecodeDestination``: where decode wants one request's pages (its peer, page ids, aux slot);
+- ``DecodeDestination``: where one decode node wants one request's pages (its peer, page ids,
+  aux slot); ``Destinations``: every decode node one request goes to;
 - ``IncomingRequest``: a request decode announced that has no sender yet, as the application
   is offered it on ``PrefillNode.incoming``;
 - ``Chunk``: a part of a request's prefill page ids, queued until decode's pages are known;
@@ -40,9 +41,10 @@ class DecodePeer:
     staging: StagingArea | None = None  # decode's staging area for this node (the staged route)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class DecodeDestination:
-    """Where decode wants a request's pages: its node, its page ids and its aux slot."""
+    """Where one decode node wants a request's pages: its node, its page ids and its aux slot,
+    and how many of the request's chunks were written there."""
 
     peer: DecodePeer
     dst_pages: np.ndarray
@@ -50,6 +52,35 @@ class DecodeDestination:
     received_at: float
     aux_index: int | None = None  # decode's aux slot
     prefix_tokens: int = 0  # the request's first tokens decode holds already (not sent)
+    chunks_written: int = 0
+    finished: bool = False  # its last chunk was written
+
+
+@dataclass(eq=False)
+class Destinations:
+    """Every decode node a request goes to: ``copies`` of them, each announcing its own pages
+    (a decode wider than prefill's attention TP needs the whole request on each of its ranks);
+    prefill writes once all announced. ``nothing_to_send``: the one decode node reads the
+    request from another prefill rank (a prefill wider than decode's attention TP)."""
+
+    copies: int
+    members: list[DecodeDestination]
+    nothing_to_send: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) == self.copies
+
+    @property
+    def prefix_tokens(self) -> int:
+        return self.members[0].prefix_tokens
+
+    def of(self, peer: DecodePeer) -> DecodeDestination | None:
+        return next((m for m in self.members if m.peer is peer), None)
+
+    def to_write(self) -> list[DecodeDestination]:
+        """The members prefill writes to (none when there is nothing to send)."""
+        return [] if self.nothing_to_send else self.members
 
 
 @dataclass(frozen=True)

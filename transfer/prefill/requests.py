@@ -3,21 +3,24 @@ writer.
 
 ``RequestBook`` keeps three tables, all guarded by the node's lock:
 
-- ``destinations``: room -> where decode wants the request's pages (``DecodeDestination``), from
-  decode's ``RequestPages`` until the request is finished, refused, or its decode node dropped
-  (shared with the ``ChunkReporter``, which reads it);
+- ``destinations``: room -> where decode wants the request's pages (``Destinations``: one
+  ``DecodeDestination`` per decode node that receives it), from decode's ``RequestPages`` until
+  the request is finished, refused, or its decode nodes dropped (shared with the
+  ``ChunkReporter``, which reads it);
 - ``senders``: room -> the application's ``KVSender``, until the request is finished and no write
   of it can still run;
 - ``lost_before_sender``: room -> why and when decode's destination was lost (its decode node was
   dropped, or decode gave the request up before sending its pages) before the application made
   the request's sender: a sender made later fails at once.
 
-One request's path: the application makes its sender (``new_sender``), ``init``s it and ``send``s
-its page ids in chunks; decode announces its pages (``announced_locked``); once both are known,
-each queued chunk becomes a writer ``Job`` (``_dispatch_locked``), counted in ``KVSender.busy``.
-What becomes of the job goes from the writer's lane to the ``ChunkReporter``, not back here; every
-failure and refusal is the reporter's too. Methods named ``_locked`` expect the node's lock held;
-the others take it.
+One request's path: the application makes its sender (``new_sender``), ``init``s it and
+``send``s its page ids in chunks; decode announces its pages (``announced_locked``: every decode
+node that receives the request, when several do); once both are known, each queued chunk becomes
+a writer ``Job`` per decode node (``_dispatch_locked``), counted in ``KVSender.busy``; a request
+decode reads from another prefill rank (``nothing_to_send``) succeeds with its last chunk,
+writing nothing. What becomes of the job goes from the writer's lane to the ``ChunkReporter``,
+not back here; every failure and refusal is the reporter's too. Methods named ``_locked`` expect
+the node's lock held; the others take it.
 """
 
 from __future__ import annotations
@@ -27,16 +30,16 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from ...plugin.descriptors import BufferDescriptor
 from .. import protocol
 from ..counters import Counters
 from ..plan import PlanError, as_page_ids, check_aux_index, check_destination
 from ..request import TERMINAL, KVPoll
 from .outcomes import ChunkReporter
-from .records import Chunk, DecodeDestination, DecodePeer, IncomingRequest, KVSender
+from .records import Chunk, DecodeDestination, DecodePeer, Destinations, IncomingRequest, KVSender
 from .writer import Job, Writer
-
-MAX_ROOM = 2**63 - 1  # room ids are SGLang bootstrap rooms: non-negative 63-bit
 
 
 @dataclass(frozen=True)
@@ -51,11 +54,38 @@ def _page_count_mismatch(prefill: int, decode: int) -> str:
     return f"page count mismatch: prefill has {prefill} pages, decode allocated {decode}"
 
 
+def _announcement_problem(request: protocol.RequestPages) -> str | None:
+    """Why decode's ``RequestPages`` cannot be taken on its own; None when it can."""
+    if not 0 <= request.room <= protocol.MAX_ROOM:
+        return f"room {request.room} is not in 0..2**63-1"
+    if request.prefix_tokens < 0:
+        return f"prefix_tokens {request.prefix_tokens} < 0"
+    if not 1 <= request.copies <= protocol.MAX_COPIES:
+        return f"copies {request.copies} is not in 1..{protocol.MAX_COPIES}"
+    if request.nothing_to_send and (request.dst_pages or request.copies != 1
+                                    or request.aux_index != -1):
+        return "nothing_to_send with pages, an aux slot or several copies"
+    return None
+
+
+def _mismatch(destinations: Destinations, request: protocol.RequestPages) -> str | None:
+    """Why another decode node's announcement of a request does not match the first one's."""
+    if request.nothing_to_send or destinations.nothing_to_send:
+        return "one decode node has nothing to receive, another has pages"
+    if request.copies != destinations.copies:
+        return (f"decode nodes disagree on how many receive the request: {destinations.copies} "
+                f"and {request.copies}")
+    if request.prefix_tokens != destinations.prefix_tokens:
+        return (f"decode nodes disagree on the prefix they hold: {destinations.prefix_tokens} "
+                f"and {request.prefix_tokens} tokens")
+    return None
+
+
 class RequestBook:
     """The node's requests and their tables (see the module docstring)."""
 
     def __init__(self, name: str, lock: threading.Lock, *,
-                 destinations: dict[int, DecodeDestination], reporter: ChunkReporter,
+                 destinations: dict[int, Destinations], reporter: ChunkReporter,
                  writer: Writer, counters: Counters, incoming: queue.Queue[IncomingRequest],
                  aux_buffers: list[BufferDescriptor], request_timeout_s: float):
         self.name = name
@@ -78,9 +108,10 @@ class RequestBook:
                 raise ValueError(f"room {room} already has a sender")
             sender = KVSender(self, room, self.request_timeout_s)
             self.senders[room] = sender
-            if room in self.destinations:
+            destinations = self.destinations.get(room)
+            if destinations is not None and destinations.complete:
                 sender.state.advance(KVPoll.WaitingForInput, time.monotonic())
-                sender.decode_prefix_tokens = self.destinations[room].prefix_tokens
+                sender.decode_prefix_tokens = destinations.prefix_tokens
             lost = self.lost_before_sender.pop(room, None)
             if lost is not None:  # its decode node was dropped before the application came
                 self._reporter.fail_locked(sender, lost.reason)
@@ -97,10 +128,12 @@ class RequestBook:
             if sender.num_pages is not None:
                 raise ValueError(f"room {sender.room}: init called twice")
             sender.num_pages = num_pages
-            destination = self.destinations.get(sender.room)
-            if destination is not None and len(destination.dst_pages) != num_pages:
-                self._reporter.fail_locked(sender, _page_count_mismatch(
-                    num_pages, len(destination.dst_pages)))
+            destinations = self.destinations.get(sender.room)
+            for destination in destinations.to_write() if destinations is not None else []:
+                if len(destination.dst_pages) != num_pages:
+                    self._reporter.fail_locked(sender, _page_count_mismatch(
+                        num_pages, len(destination.dst_pages)))
+                    return
 
     def send_chunk(self, sender: KVSender, page_ids: object) -> None:
         pages = as_page_ids(page_ids, "page_ids")
@@ -124,43 +157,64 @@ class RequestBook:
             self._reporter.fail_locked(sender, reason)
 
     def _dispatch_locked(self, sender: KVSender) -> None:
-        """Hand queued chunks to the writer once decode's pages are known."""
-        destination = self.destinations.get(sender.room)
-        if destination is None or not sender.pending:
+        """Hand queued chunks to the writer, one job per decode node, once every decode node's
+        pages are known; with nothing to send, the last chunk ends the request."""
+        destinations = self.destinations.get(sender.room)
+        if destinations is None or not destinations.complete or not sender.pending:
             return
-        sender.state.advance(KVPoll.Transferring, time.monotonic())
+        now = time.monotonic()
+        sender.state.advance(KVPoll.Transferring, now)
         for chunk in sender.pending:
-            sender.busy += 1
-            self._writer.submit(Job(sender, destination, chunk))
+            for destination in destinations.to_write():
+                sender.busy += 1
+                self._writer.submit(Job(sender, destination, chunk))
+            if chunk.last and destinations.nothing_to_send:
+                sender.state.advance(KVPoll.Success, now)
         sender.pending.clear()
 
     # ---- decode's messages (the control loop) ----------------------------------------------
 
     def announced_locked(self, peer: DecodePeer, request: protocol.RequestPages) -> None:
-        """Decode's pages for a request: offered on ``incoming`` until its sender comes."""
-        if not 0 <= request.room <= MAX_ROOM:
-            self._reporter.refuse(peer, request.room, f"room {request.room} is not in 0..2**63-1")
+        """One decode node's pages for a request: once every decode node that receives it
+        announced (``copies``), offered on ``incoming`` until its sender comes, or dispatched."""
+        room = request.room
+        tell = not request.nothing_to_send  # such a decode node keeps no request to tell
+        problem = _announcement_problem(request)
+        if problem and not tell:
+            raise protocol.ProtocolError(problem)  # dropped and counted (``bad_messages``)
+        if problem:
+            self._reporter.refuse(peer, room, problem)
             return
-        if request.room in self.destinations:
-            self._duplicate_locked(peer, request.room)
-            return
-        if request.prefix_tokens < 0:
-            self._reporter.refuse(peer, request.room, f"prefix_tokens {request.prefix_tokens} < 0")
-            return
+        destinations = self.destinations.get(room)
+        if destinations is not None:
+            if destinations.of(peer) is not None or destinations.complete:
+                self._duplicate_locked(peer, room, tell=tell)
+                return
+            mismatch = _mismatch(destinations, request)
+            if mismatch:  # the decode ranks disagree: the request cannot be served
+                self._reporter.refuse(peer, room, mismatch, tell=tell)
+                self._decode_gave_up_locked(room, mismatch)
+                return
         try:
-            dst = check_destination(peer.pairs, request.dst_pages)
+            dst = np.empty(0, np.int64) if request.nothing_to_send else check_destination(
+                peer.pairs, request.dst_pages)
             aux = check_aux_index([p.dst for p in peer.aux_pairs], request.aux_index,
                                   "decode's aux_index")
         except PlanError as exc:
-            self._reporter.refuse(peer, request.room, f"bad pages: {exc}")
+            self._reporter.refuse(peer, room, f"bad pages: {exc}", tell=tell)
             return
-        self.destinations[request.room] = DecodeDestination(peer, dst, request.num_tokens,
-                                                            time.monotonic(), aux,
-                                                            request.prefix_tokens)
-        peer.rooms.add(request.room)
-        sender = self.senders.get(request.room)
+        if destinations is None:
+            destinations = Destinations(request.copies, [], request.nothing_to_send)
+            self.destinations[room] = destinations
+        destinations.members.append(DecodeDestination(peer, dst, request.num_tokens,
+                                                      time.monotonic(), aux,
+                                                      request.prefix_tokens))
+        peer.rooms.add(room)
+        if not destinations.complete:
+            return
+        sender = self.senders.get(room)
         if sender is None:
-            self._incoming.put(IncomingRequest(request.room, dst.size, request.num_tokens, peer.node,
+            self._incoming.put(IncomingRequest(room, dst.size, request.num_tokens, peer.node,
                                                request.prefix_tokens))
             return
         sender.decode_prefix_tokens = request.prefix_tokens
@@ -168,38 +222,41 @@ class RequestBook:
             self._reporter.report_failure_locked(sender, in_flight=False)
             return
         sender.state.advance(KVPoll.WaitingForInput, time.monotonic())
-        if sender.num_pages is not None and sender.num_pages != dst.size:
+        if (sender.num_pages is not None and not destinations.nothing_to_send
+                and sender.num_pages != dst.size):
             self._reporter.fail_locked(sender, _page_count_mismatch(sender.num_pages, dst.size))
             return
         self._dispatch_locked(sender)
 
-    def _duplicate_locked(self, peer: DecodePeer, room: int) -> None:
-        """A room announced again. From another decode node, the newcomer's request is the one
-        refused. From the same node, it no longer knows which pages it meant: the room fails,
-        and, like any failure, is reported only once no write of ours into it can still land."""
-        destination = self.destinations[room]
+    def _duplicate_locked(self, peer: DecodePeer, room: int, *, tell: bool) -> None:
+        """A room announced again. From a decode node that does not receive it, the newcomer's
+        request is the one refused. From one that does, it no longer knows which pages it meant:
+        the room fails, and, like any failure, is reported only once no write of ours into it
+        can still land."""
+        destinations = self.destinations[room]
+        mine = destinations.of(peer)
         sender = self.senders.get(room)
-        if destination.peer is not peer or sender is None:
-            if destination.peer is peer:
-                del self.destinations[room]
-                peer.rooms.discard(room)
-            self._reporter.refuse(peer, room, f"duplicate room {room}")
+        if mine is None or sender is None:
+            if mine is not None:
+                self._leave_locked(room, mine)
+            self._reporter.refuse(peer, room, f"duplicate room {room}", tell=tell)
             return
         self._reporter.fail_locked(sender, f"duplicate room {room}")
 
     def aborted_locked(self, peer: DecodePeer, abort: protocol.Abort) -> None:
-        destination = self.destinations.get(abort.room)
-        if destination is not None and destination.peer is not peer:
+        destinations = self.destinations.get(abort.room)
+        if destinations is not None and destinations.of(peer) is None:
             raise protocol.ProtocolError(f"abort of room {abort.room}, which another decode "
                                          f"node announced")
         sender = self.senders.get(abort.room)
-        if abort.before_pages and destination is None:  # nothing to answer: no page was asked
+        if abort.before_pages and destinations is None:  # nothing to answer: no page was asked
             self._decode_gave_up_locked(abort.room, f"aborted by decode: {abort.reason}")
             return
-        if sender is None or destination is None:
-            self.destinations.pop(abort.room, None)
-            peer.rooms.discard(abort.room)
+        if destinations is None:
             self._reporter.refuse(peer, abort.room, f"aborted by decode: {abort.reason}")
+            return
+        if sender is None:
+            self._drop_destinations_locked(abort.room, f"aborted by decode: {abort.reason}")
             return
         self._reporter.fail_locked(sender, f"aborted by decode: {abort.reason}")
 
@@ -213,8 +270,9 @@ class RequestBook:
             self._reporter.fail_locked(sender, reason)
 
     def drop_peer_locked(self, peer: DecodePeer, reason: str, now: float) -> None:
-        """Fail a dropped decode node's requests and forget their destinations; their senders
-        are kept on the peer (``dropped_senders``) for the fence of its session's next Hello."""
+        """Fail a dropped decode node's requests and forget its destinations; their senders
+        are kept on the peer (``dropped_senders``) for the fence of its session's next Hello.
+        The request's other decode nodes, if any, are told as usual."""
         for room in list(peer.rooms):
             sender = self.senders.get(room)
             if sender is None:  # offered on ``incoming``: a sender made later fails at once
@@ -223,7 +281,28 @@ class RequestBook:
                 peer.dropped_senders.append(sender)
                 if sender.state.fail(reason, now):
                     self._counters.request_failed(reason)
-            self.destinations.pop(room, None)
+            destinations = self.destinations.get(room)
+            mine = destinations.of(peer) if destinations is not None else None
+            if mine is not None:
+                self._leave_locked(room, mine)
+            if sender is not None and room in self.destinations:
+                self._reporter.report_failure_locked(sender, in_flight=False)
+
+    def _leave_locked(self, room: int, destination: DecodeDestination) -> None:
+        """``destination``'s decode node no longer receives ``room``."""
+        destinations = self.destinations[room]
+        destinations.members.remove(destination)
+        destination.peer.rooms.discard(room)
+        if not destinations.members:
+            del self.destinations[room]
+
+    def _drop_destinations_locked(self, room: int, reason: str) -> None:
+        """Forget every decode node's destination of ``room`` and refuse it to each."""
+        destinations = self.destinations.pop(room)
+        for destination in destinations.members:
+            destination.peer.rooms.discard(room)
+            self._reporter.refuse(destination.peer, room, reason,
+                                  tell=not destinations.nothing_to_send)
 
     # ---- the tick (the control loop) -------------------------------------------------------
 
@@ -242,15 +321,14 @@ class RequestBook:
 
     def refuse_unclaimed_locked(self, now: float) -> None:
         """Refuse the requests decode announced that no sender claimed within the timeout."""
-        for room, destination in list(self.destinations.items()):
-            if room not in self.senders and now - destination.received_at > self.request_timeout_s:
-                del self.destinations[room]
-                destination.peer.rooms.discard(room)
-                self._reporter.refuse(destination.peer, room, "no prefill request for this room")
+        for room, destinations in list(self.destinations.items()):
+            announced = destinations.members[0].received_at
+            if room not in self.senders and now - announced > self.request_timeout_s:
+                self._drop_destinations_locked(room, "no prefill request for this room")
 
     def _forget_locked(self, room: int) -> None:
         """Drop a finished request; the application keeps its sender object and its state."""
         self.senders.pop(room, None)
-        destination = self.destinations.pop(room, None)
-        if destination is not None:
+        destinations = self.destinations.pop(room, None)
+        for destination in destinations.members if destinations is not None else []:
             destination.peer.rooms.discard(room)

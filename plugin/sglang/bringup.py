@@ -7,6 +7,8 @@ prefill that could not be reached.
 - ``bootstrap_host``: the host sglang's ``register_to_bootstrap`` would register;
 - ``pairing_problems``: why a decode rank cannot pair with a prefill, each reason naming the flag
   to change (empty when it can);
+- ``tp_targets``: which prefill attention-TP ranks a decode rank reads from and tells it has
+  nothing to send, and to how many decode ranks a prefill rank writes, for any two widths;
 - ``dp_route``: how a prefill request's DP rank reaches decode (registered, or computed from its
   room, or a conflict);
 - ``engine_options``: the engine's transport and devices, as sglang's own engine chooses them;
@@ -67,14 +69,53 @@ def pairing_problems(info: PrefillServerInfo, *, page_size: int, kv_cache_dtype:
     if info.kv_cache_dtype != kv_cache_dtype:
         problems.append(f"KV cache dtype: prefill {info.kv_cache_dtype}, decode {kv_cache_dtype} "
                         "(both servers need the same --kv-cache-dtype)")
-    if info.attn_tp_size != attn_tp_size:
-        problems.append(f"attention-TP width: prefill {info.attn_tp_size}, decode {attn_tp_size} "
-                        "(dsa-bridge pairs decode rank r with prefill rank r: give both servers the "
-                        "same --tp-size / (--attn-dp-size x --attn-cp-size))")
+    wider, narrower = max(info.attn_tp_size, attn_tp_size), min(info.attn_tp_size, attn_tp_size)
+    if wider % narrower:
+        problems.append(f"attention-TP widths: prefill {info.attn_tp_size}, decode {attn_tp_size}, "
+                        "neither a multiple of the other (give the servers --tp-size / "
+                        "(--attn-dp-size x --attn-cp-size) that divide each other)")
     if info.attn_cp_size != 1:
         problems.append(f"attention CP: prefill {info.attn_cp_size} (dsa-bridge serves "
                         "--attn-cp-size 1)")
     return problems
+
+
+@dataclass(frozen=True)
+class TPTargets:
+    """Which prefill attention-TP ranks a decode rank talks to, as sglang's ``CommonKVReceiver``
+    maps them for MLA pools (whose KV every rank holds whole): ``source`` writes the request;
+    each of ``idle`` is told it has nothing to send (a prefill wider than decode); ``copies``:
+    how many decode ranks ``source`` writes the request to (a decode wider than prefill)."""
+
+    source: int
+    idle: tuple[int, ...] = ()
+    copies: int = 1
+
+
+@dataclass(frozen=True)
+class PrefillGroup:
+    """A decode rank's prefill DP group, by control endpoint: ``write``, the ranks that write
+    its requests (one per pipeline stage); ``idle``, those told they have nothing to send (every
+    stage of each); ``copies`` as in ``TPTargets``."""
+
+    write: tuple[str, ...]
+    idle: tuple[str, ...] = ()
+    copies: int = 1
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [*self.write, *self.idle]
+
+
+def tp_targets(decode_tp_rank: int, decode_tp_size: int, prefill_tp_size: int) -> TPTargets:
+    """The prefill TP ranks of decode attention-TP rank ``decode_tp_rank`` (widths that divide
+    each other: ``pairing_problems``)."""
+    if decode_tp_size >= prefill_tp_size:
+        copies = decode_tp_size // prefill_tp_size
+        return TPTargets(decode_tp_rank // copies, (), copies)
+    group = prefill_tp_size // decode_tp_size
+    first = decode_tp_rank * group
+    return TPTargets(first, tuple(range(first + 1, first + group)))
 
 
 @dataclass(frozen=True)

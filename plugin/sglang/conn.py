@@ -16,10 +16,15 @@ a mixed deployment's refusal and detection in ``mixed.py``:
   keeps every stage's request status in sglang's ``PPConsensusStore`` for ``poll_pp_consensus``.
   On decode it fetches the prefill's parallel info (``GET /route`` with -1s) and its ranks
   (``GET /route`` per rank), and starts one ``DecodeNode`` per prefill (DP group): handshake,
-  layouts compared, buffers paired by layer id, before any request. A prefill it cannot pair
-  with (``pairing_problems``) is refused, never raised: ``try_ensure_parallel_info`` answers
-  False, logs the reason once, and that prefill's receivers fail with it. A node that failed to
-  connect is retried with backoff (``PeerBackoff``), its requests failing at once meanwhile.
+  layouts compared, buffers paired by layer id, before any request. Between two attention-TP
+  widths the ranks are mapped as sglang maps them for MLA pools (``tp_targets``): a wider
+  decode's ranks each receive the whole request from one prefill rank (which writes it to each:
+  ``copies``); a wider prefill's request is written by one of its ranks, and decode tells the
+  others they have nothing to send (``nothing_to_send``), so their senders end with it. A
+  prefill it cannot pair with (``pairing_problems``) is refused, never raised:
+  ``try_ensure_parallel_info`` answers False, logs the reason once, and that prefill's
+  receivers fail with it. A node that failed to connect is retried with backoff
+  (``PeerBackoff``), its requests failing at once meanwhile.
   KVArgs that are not a DSA pool (``kvargs.dsa_problem``) get sglang's own manager of the
   configured backend instead (logged): sglang's ``get_kv_class`` does not know the model, its
   KVArgs do.
@@ -59,8 +64,8 @@ nodes.
   routes its decode calls), so prefill ranks of either connector register there.
 
 Senders and receivers built over a sglang manager (the non-DSA fallback) are sglang's own.
-Limits (refused with a message naming the flag to change, see docs/sglang.md): equal
-attention-TP widths on both sides, attention CP 1, no KV sharding, decode with one pipeline
+Limits (refused with a message naming the flag to change, see docs/sglang.md): attention-TP
+widths that divide each other, attention CP 1, no KV sharding, decode with one pipeline
 stage (prefill DP ranks are registered for decode's query where it cannot compute them:
 ``dp_route``), device destinations only, decode
 radix-cache prefixes of whole pages (as sglang's radix cache makes them).
@@ -104,12 +109,14 @@ from ...transfer.prefill import PrefillNode
 from .bringup import (
     KV_LAYOUT_MARK,
     PeerBackoff,
+    PrefillGroup,
     backend_of,
     bootstrap_host,
     dp_route,
     engine_options,
     pairing_problems,
     sglang_class,
+    tp_targets,
 )
 from .early_send import EarlySendDispatcher
 from .kvargs import bridge_buffers, dsa_problem
@@ -209,6 +216,7 @@ class DSABridgeKVManager(BaseKVManager):
         self._lock = threading.Lock()
         self.node: PrefillNode | None = None
         self.decode_nodes: dict[tuple[str, int], DecodeNode] = {}
+        self.groups: dict[tuple[str, int], PrefillGroup] = {}  # the ranks each node talks to
         self.node_failures: dict[tuple[str, int], PeerBackoff] = {}
         self.route_checked: dict[tuple[str, int], float] = {}  # when a lost prefill was looked up
         self.retired_nodes: list[DecodeNode] = []  # nodes of a restarted prefill, until idle
@@ -402,26 +410,27 @@ class DSABridgeKVManager(BaseKVManager):
         """Why the prefill at ``bootstrap_addr`` was refused; None when it was not."""
         return self.refused_prefills.get(bootstrap_addr)
 
-    def _rank_endpoint(self, bootstrap_addr: str, dp_rank: int, pp_rank: int) -> str:
+    def _rank_endpoint(self, bootstrap_addr: str, dp_rank: int, tp_rank: int, pp_rank: int) -> str:
         url = (f"http://{bootstrap_addr}/route?prefill_dp_rank={dp_rank}&prefill_cp_rank=0"
-               f"&target_tp_rank={self.attn_tp_rank}&target_pp_rank={pp_rank}")
+               f"&target_tp_rank={tp_rank}&target_pp_rank={pp_rank}")
         response = requests.get(url, timeout=HTTP_TIMEOUT_S)
         if response.status_code != 200:
             raise HandshakeError(f"bootstrap server {bootstrap_addr} has no prefill rank dp {dp_rank} "
-                                 f"tp {self.attn_tp_rank} pp {pp_rank}: {response.status_code} "
+                                 f"tp {tp_rank} pp {pp_rank}: {response.status_code} "
                                  f"{response.text}")
         rank = response.json()
         return NetworkAddress(rank["rank_ip"], int(rank["rank_port"])).to_host_port_str()
 
-    def decode_node(self, bootstrap_addr: str, dp_rank: int) -> DecodeNode:
-        """The node connected to prefill DP group ``dp_rank`` at ``bootstrap_addr`` (every
-        pipeline stage of it), made and handshaken on first use. A failed attempt is not
-        repeated before its backoff ends: until then this raises the last reason at once."""
+    def decode_node(self, bootstrap_addr: str, dp_rank: int) -> tuple[DecodeNode, PrefillGroup]:
+        """The node connected to the ranks of prefill DP group ``dp_rank`` at ``bootstrap_addr``
+        this rank talks to (``PrefillGroup``: every pipeline stage of each), made and handshaken
+        on first use, and that group. A failed attempt is not repeated before its backoff ends:
+        until then this raises the last reason at once."""
         key = (bootstrap_addr, dp_rank)
         with self._lock:
             node = self.decode_nodes.get(key)
             if node is not None and not self._restarted(key, node):
-                return node
+                return node, self.groups[key]
             if not self.try_ensure_parallel_info(bootstrap_addr):
                 raise HandshakeError(self.refusal(bootstrap_addr)
                                      or f"the prefill at {bootstrap_addr} is not registered yet")
@@ -430,7 +439,8 @@ class DSABridgeKVManager(BaseKVManager):
                 raise HandshakeError(f"{failure.reason} (failed {failure.failures} time(s); next "
                                      f"attempt in {failure.retry_at - now:.1f}s)")
             try:
-                node = self._connect(bootstrap_addr, dp_rank)
+                group = self._group(bootstrap_addr, dp_rank)
+                node = self._connect(group)
             except (HandshakeError, RuntimeError, ValueError, OSError) as exc:
                 self.node_failures[key] = PeerBackoff.after(failure, str(exc), self.clock())
                 log.warning("dsa-bridge: connecting to prefill %s (dp %d) failed (%d time(s), next "
@@ -440,7 +450,8 @@ class DSABridgeKVManager(BaseKVManager):
                 raise
             self.node_failures.pop(key, None)
             self.decode_nodes[key] = node
-            return node
+            self.groups[key] = group
+            return node, group
 
     def _restarted(self, key: tuple[str, int], node: DecodeNode) -> bool:
         """Whether the prefill behind ``node``, which it cannot reach, registered new endpoints
@@ -458,7 +469,7 @@ class DSABridgeKVManager(BaseKVManager):
                 self.prefill_info_table[bootstrap_addr] = known  # not registered again yet
             return False  # (refused now: its requests fail with the reason)
         try:
-            endpoints = self._group_endpoints(bootstrap_addr, dp_rank)
+            endpoints = self._group(bootstrap_addr, dp_rank).endpoints
         except (HandshakeError, requests.RequestException, KeyError, ValueError) as exc:
             log.info("dsa-bridge: prefill %s (dp %d) unreachable, its new endpoints not known: %s",
                      bootstrap_addr, dp_rank, exc)
@@ -468,7 +479,7 @@ class DSABridgeKVManager(BaseKVManager):
             return False
         log.warning("dsa-bridge: prefill %s (dp %d) moved from %s to %s (restarted): connecting "
                     "anew", bootstrap_addr, dp_rank, ", ".join(old), ", ".join(endpoints))
-        del self.decode_nodes[key]
+        del self.decode_nodes[key], self.groups[key]
         self.retired_nodes.append(node)
         self._close_idle_retired()
         return True
@@ -479,13 +490,21 @@ class DSABridgeKVManager(BaseKVManager):
             node.close()
             self.retired_nodes.remove(node)
 
-    def _group_endpoints(self, bootstrap_addr: str, dp_rank: int) -> list[str]:
-        """The control endpoints of DP group ``dp_rank``'s ranks at this TP rank, one per stage."""
-        stages = self.prefill_info_table[bootstrap_addr].pp_size
-        return [self._rank_endpoint(bootstrap_addr, dp_rank, p) for p in range(stages)]
+    def _group(self, bootstrap_addr: str, dp_rank: int) -> PrefillGroup:
+        """The ranks of DP group ``dp_rank`` this rank talks to, as sglang maps attention-TP
+        ranks between two widths (``tp_targets``), each rank's every pipeline stage."""
+        info = self.prefill_info_table[bootstrap_addr]
+        targets = tp_targets(self.attn_tp_rank, self.attn_tp_size, info.attn_tp_size)
 
-    def _connect(self, bootstrap_addr: str, dp_rank: int) -> DecodeNode:
-        endpoints = self._group_endpoints(bootstrap_addr, dp_rank)
+        def stages(tp_rank: int) -> list[str]:
+            return [self._rank_endpoint(bootstrap_addr, dp_rank, tp_rank, pp)
+                    for pp in range(info.pp_size)]
+
+        return PrefillGroup(tuple(stages(targets.source)),
+                            tuple(e for tp in targets.idle for e in stages(tp)), targets.copies)
+
+    def _connect(self, group: PrefillGroup) -> DecodeNode:
+        endpoints = group.endpoints
         backend = create_backend(self.backend, host=self.local_ip, **self.engine_options)
         self.log_transport(backend)
         return DecodeNode(self.pool, backend,
@@ -542,8 +561,9 @@ class DSABridgeKVManager(BaseKVManager):
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
         """Whether sglang's own digest from the prefill at ``bootstrap_addr`` covers the bytes this
-        rank holds: True for a prefill dsa-bridge paired with (the same attention-TP width, so
-        the same pages; another layout is told apart by sglang's own layout signature)."""
+        rank holds: True for a prefill dsa-bridge paired with (an MLA pool is whole on every
+        attention-TP rank, so the rank that writes holds the same pages; another layout is told
+        apart by sglang's own layout signature)."""
         return bootstrap_addr in self.prefill_info_table
 
     def count_forced_release(self, room: int, how: str) -> None:
@@ -789,6 +809,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         self.abort_notified = False  # sglang's: the prefill was told to stop (``ensure_abort_notified``)
         self.bootstrap_infos: list[str] | None = None  # the prefill ranks that may write (endpoints)
         self._node: DecodeNode | None = None
+        self._group: PrefillGroup | None = None  # the prefill ranks the node talks to
         self._receiver: KVReceiver | None = None
         self._metadata_sent = False
         self._failed: _Failed | None = None
@@ -807,13 +828,14 @@ class DSABridgeKVReceiver(BaseKVReceiver):
 
     def init(self, prefill_dp_rank: int) -> None:
         try:  # the manager logs a refusal or a failed connection once, not per request
-            self._node = self.kv_mgr.decode_node(self.bootstrap_addr, int(prefill_dp_rank))
+            self._node, self._group = self.kv_mgr.decode_node(self.bootstrap_addr,
+                                                              int(prefill_dp_rank))
         except (HandshakeError, RuntimeError, ValueError, OSError) as exc:
             self._fail(f"prefill {self.bootstrap_addr} (dp {prefill_dp_rank}): {exc}", logged=True)
             return
         self.kv_mgr.forget_released()  # a room of a cleared request may be free again
         try:
-            self._receiver = self._node.receiver(self.bootstrap_room)
+            self._receiver = self._node.receiver(self.bootstrap_room, list(self._group.write))
         except ValueError as exc:
             self._fail(f"prefill {self.bootstrap_addr} (dp {prefill_dp_rank}): {exc}")
             return
@@ -840,10 +862,14 @@ class DSABridgeKVReceiver(BaseKVReceiver):
             self._fail(problem)  # prefill's sender is told at once (it fails, not times out)
             return
         try:
-            self._receiver.init(pages, aux_index=aux_index, prefix_tokens=prefix)
+            self._receiver.init(pages, aux_index=aux_index, prefix_tokens=prefix,
+                                copies=self._group.copies)
         except ValueError as exc:
             self._fail(f"bad metadata: {exc}")
             return
+        if self._group.idle:  # a wider prefill: its other ranks end the request writing nothing
+            self._node.nothing_to_send(self.bootstrap_room, list(self._group.idle),
+                                       prefix_tokens=prefix)
         self._metadata_sent = True
         self._phases.advance(time.monotonic())  # sglang's waiting timeout starts at send_metadata
 

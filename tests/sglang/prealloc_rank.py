@@ -15,7 +15,7 @@ the radix tree); for a request ready for its pages, ``_send_kv_metadata``; then 
 queue's ``poll_and_all_reduce`` to the end.
 
 Scenario: three requests to a prefill dsa-bridge cannot pair with (registered with another
-attention-TP width), then one more after sglang's one-second retry interval, then one to a good
+page size), then one more after sglang's one-second retry interval, then one to a good
 prefill (``pd_rank.py prefill``, another process): the refused ones abort with the reason, the
 refusal logged once, and the same queue and manager then move the good one byte-exact.
 """
@@ -47,7 +47,7 @@ class Refusals(logging.Handler):
 
 
 def register_refused_prefill(port: int) -> object:
-    """A bootstrap server holding a dsa-bridge prefill of attention-TP width 2 (decode has 1)."""
+    """A bootstrap server holding a dsa-bridge prefill of page size 32 (decode has 64)."""
     import requests
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
@@ -55,7 +55,7 @@ def register_refused_prefill(port: int) -> object:
     for tp_rank in range(2):
         payload = {"attn_tp_size": 2, "attn_tp_rank": tp_rank, "attn_cp_size": 1, "attn_cp_rank": 0,
                    "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1,
-                   "system_dp_rank": 0, "rank_ip": "127.0.0.1", "rank_port": 1, "page_size": PAGE,
+                   "system_dp_rank": 0, "rank_ip": "127.0.0.1", "rank_port": 1, "page_size": PAGE // 2,
                    "kv_cache_dtype": "fp8_e4m3", "kv_layout": "dsa-bridge",
                    "load_balance_method": "follow_bootstrap_room"}
         wait_for(lambda p=payload: _put(requests, port, p), 10, "bootstrap server")

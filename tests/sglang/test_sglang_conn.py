@@ -12,9 +12,9 @@ against the real sglang 0.5.23 on the CPU.
   and compact); a compact prefill against a uniform decode, and another layer range, refused at
   the handshake with decode's pool still at its sentinel; a two-stage prefill through sglang's
   own ``poll_and_all_reduce_prefill_pp`` (``poll_pp_consensus``);
-- a prefill decode cannot pair with (kv_layout, page size, dtype, attention-TP width, CP, DP
-  groups) refused from the bootstrap server's parallel info, never raised: the reason, naming
-  the flag to change, logged once and failing the prefill's receivers.
+- a prefill decode cannot pair with (kv_layout, page size, dtype, attention CP) refused from the
+  bootstrap server's parallel info, never raised: the reason, naming the flag to change, logged
+  once and failing the prefill's receivers (attention-TP widths: test_sglang_tp_widths.py).
 """
 
 from __future__ import annotations
@@ -210,7 +210,8 @@ def free_port() -> int:
 # a rank's module by its role; any other role: pd_rank.py
 RANK_MODULES = {"prealloc": "tests.sglang.prealloc_rank", "release": "tests.sglang.release_rank",
                 "restart": "tests.sglang.restart_rank", "tp-prefill": "tests.sglang.tp_rank",
-                "tp-decode": "tests.sglang.tp_rank", "early-prefill": "tests.sglang.tp_rank"}
+                "tp-decode": "tests.sglang.tp_rank", "early-prefill": "tests.sglang.tp_rank",
+                "width-prefill": "tests.sglang.width_rank", "width-decode": "tests.sglang.width_rank"}
 RANK_ENV = {"SGLANG_PLUGINS": "dsa_bridge", "SGLANG_HOST_IP": "127.0.0.1", "MC_LOG_LEVEL": "ERROR",
             "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"}
 
@@ -409,7 +410,6 @@ def put_route(port: int, payload: dict) -> None:
 @pytest.mark.parametrize(("changes", "message"), [
     ({"kv_layout": None}, "registered kv_layout None, not dsa-bridge's: .*set SGLANG_PLUGINS=dsa_bridge "
                           "on the prefill too"),
-    ({"attn_tp_size": 2}, r"attention-TP width: prefill 2, decode 1 .*--tp-size / \(--attn-dp-size"),
     ({"page_size": 32}, r"page size: prefill 32, decode 64 \(both servers need the same --page-size\)"),
     ({"kv_cache_dtype": "bf16"}, "KV cache dtype: prefill bf16, decode fp8_e4m3 .*--kv-cache-dtype"),
     ({"attn_cp_size": 2}, r"attention CP: prefill 2 \(dsa-bridge serves --attn-cp-size 1\)"),

@@ -3,7 +3,7 @@ sglang's scheduler meets crashes it — a prefill it cannot pair with is refused
 that failed to connect is retried with backoff, and ranks register an address their peers reach.
 
 - a decode rank driven by sglang's own ``DecodePreallocQueue`` code (``prealloc_rank.py``):
-  requests to a prefill of another attention-TP width abort with the reason naming the flag,
+  requests to a prefill of another page size abort with the reason naming the flag,
   ``try_ensure_parallel_info`` answers False (never raises), the refusal is logged once, and the
   same queue and manager then move a good prefill's request byte-exact;
 - a failed connection to a prefill is not retried per request: one ``DecodeNode`` construction,
@@ -66,7 +66,7 @@ def test_refused_prefill_aborts_its_requests_and_the_same_queue_serves_a_good_pr
     assert len(decode["refused"]) == 4 and set(decode["refused_status"]) == {500}
     for message in decode["refused"]:
         assert "Decode handshake failed" in message  # sglang's _update_handshake_waiters
-        assert "attention-TP width: prefill 2, decode 1" in message and "--tp-size" in message
+        assert "page size: prefill 32, decode 64" in message and "--page-size" in message
     assert decode["ensure_refused"] is False  # answered, never raised
     assert decode["ensure_attempts"] == 2  # asked again after sglang's 1 s retry interval
     assert len(decode["refusals_logged"]) == 1  # once for the prefill, not per request

@@ -66,6 +66,9 @@ class FaultyBackend:
             regions = [*regions, raw_region(self._scratch.ctypes.data, self._scratch.nbytes)]
         self.inner.register(regions)
 
+    def unregister(self, regions: list[BufferDescriptor]) -> None:
+        self.inner.unregister(regions)
+
     def metadata(self) -> bytes:
         return self.inner.metadata()
 

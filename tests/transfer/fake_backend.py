@@ -35,6 +35,10 @@ class FakeBackend:
     def register(self, regions):
         self.regions.extend(regions)
 
+    def unregister(self, regions):
+        for region in regions:
+            self.regions.remove(region)
+
     def metadata(self) -> bytes:
         return self.id.encode()
 

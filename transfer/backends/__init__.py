@@ -8,7 +8,7 @@ loads Mooncake, NIXL or torch.
 The modules: ``base`` (the ``TransferBackend`` interface, its errors, the checks made before any
 engine call, and ``EngineBackend``, the base of both engines), ``environment`` (what the engines
 read of the machine: RDMA devices, network interfaces, start-up environment), ``mooncake`` and
-``nixl`` (one engine each).
+``nixl`` (one engine each), ``shared`` (one engine shared by the nodes of a process).
 """
 
 from __future__ import annotations

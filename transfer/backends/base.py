@@ -67,6 +67,10 @@ class TransferBackend(Protocol):
     def register(self, regions: list[BufferDescriptor]) -> None:
         """Register each region once. Zero-length, null or duplicate regions are refused."""
 
+    def unregister(self, regions: list[BufferDescriptor]) -> None:
+        """Deregister regions registered here, each exactly as registered (all or none: a region
+        not registered is refused before any is deregistered)."""
+
     def metadata(self) -> bytes:
         """What a peer needs to ``connect`` to this engine (session id, agent metadata)."""
 
@@ -311,6 +315,17 @@ class EngineBackend(ABC, Generic[PeerT]):
                     raise
                 self._regions.add([region])
                 done.append(region)
+
+    def unregister(self, regions: list[BufferDescriptor]) -> None:
+        """Deregister regions registered here, each exactly as registered (all or none: a region
+        not registered is refused before any is deregistered)."""
+        with self._lock:
+            self._check_open("unregister")
+            for region in regions:
+                if self._regions.regions.get(region.ptr) != region:
+                    raise BackendError(self.name, "unregister", f"{region}: not registered")
+            for region in regions:
+                self._unregister(region)
 
     def write(
         self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *, timeout_s: float

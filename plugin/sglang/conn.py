@@ -77,6 +77,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import requests
@@ -103,8 +104,10 @@ from sglang.srt.utils.network import NetworkAddress, get_local_ip_auto
 from ...transfer import auth
 from ...transfer.backends import create_backend
 from ...transfer.backends.environment import rdma_devices
+from ...transfer.backends.shared import SharedEngine
 from ...transfer.decode import DecodeNode, KVReceiver
 from ...transfer.handshake import HandshakeError
+from ...transfer.plan import as_aux_buffers
 from ...transfer.prefill import PrefillNode
 from .bringup import (
     KV_LAYOUT_MARK,
@@ -216,6 +219,9 @@ class DSABridgeKVManager(BaseKVManager):
         self._lock = threading.Lock()
         self.node: PrefillNode | None = None
         self.decode_nodes: dict[tuple[str, int], DecodeNode] = {}
+        self._connecting: dict[tuple[str, int], Future] = {}  # connections being made
+        self._connector: ThreadPoolExecutor | None = None  # makes them, off sglang's thread
+        self.engine: SharedEngine | None = None  # decode: one engine for every node of the rank
         self.groups: dict[tuple[str, int], PrefillGroup] = {}  # the ranks each node talks to
         self.node_failures: dict[tuple[str, int], PeerBackoff] = {}
         self.route_checked: dict[tuple[str, int], float] = {}  # when a lost prefill was looked up
@@ -229,7 +235,6 @@ class DSABridgeKVManager(BaseKVManager):
         self.early_sends = EarlySendDispatcher(  # chunks held until sglang's forward wrote them
             f"dp{self.attn_dp_rank}-tp{self.attn_tp_rank}-pp{self.pp_rank}")
         if prefill:
-            name = f"prefill-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}-pp{self.pp_rank}"
             try:
                 auth.check_listener(self.local_ip, self.secret, allow_insecure=False)
             except auth.AuthError:
@@ -237,22 +242,28 @@ class DSABridgeKVManager(BaseKVManager):
                     f"dsa-bridge: this prefill rank listens on {self.local_ip} (SGLANG_HOST_IP or "
                     f"sglang's detection), which is not a loopback address: set {auth.SECRET_ENV} to "
                     "the same secret on prefill and decode") from None
-            self.node = PrefillNode(
-                self.pool, create_backend(self.backend, host=self.local_ip, **self.engine_options),
-                listen=f"{self.local_ip}:0", name=name, aux_buffers=self.bridge.aux_buffers,
-                request_timeout_s=self.phase_limits.node_timeout_s,
-                secret=self.secret, checksums=self.checksums, route="direct",
-                staging_bytes=STAGING_BYTES)
+            self.node = self._prefill_node(f"{self.local_ip}:0")
             self.log_transport(self.node.backend)
             self.register_to_bootstrap()
             if self.pp_size > 1:
                 self._start_stage_consensus(parallel.pp_group)
         else:
+            self._start_decode_engine()
             self._log_release_bounds()
         log.info("dsa-bridge: %s manager over %d layers (%s indexer layout) on %s, aux on %s, backend "
                  "%s, checksums %s", disaggregation_mode.value, self.bridge.layout.num_layers,
                  self.bridge.layout.indexer_layout, device, sorted(set(self.bridge.aux_devices)),
                  self.backend, "on" if self.checksums else "off")
+
+    def _prefill_node(self, listen: str) -> PrefillNode:
+        return PrefillNode(
+            self.pool, create_backend(self.backend, host=self.local_ip, **self.engine_options),
+            listen=listen, name=f"prefill-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}-pp{self.pp_rank}",
+            aux_buffers=self.bridge.aux_buffers, request_timeout_s=self.phase_limits.node_timeout_s,
+            secret=self.secret, checksums=self.checksums, route="direct", staging_bytes=STAGING_BYTES)
+
+    def _cache_regions(self) -> list:
+        return [*self.pool.buffer_descriptors(), *as_aux_buffers(self.bridge.aux_buffers)]
 
     # ---- prefill: the bootstrap registration -------------------------------------------------
     def register_to_bootstrap(self) -> None:
@@ -421,16 +432,36 @@ class DSABridgeKVManager(BaseKVManager):
         rank = response.json()
         return NetworkAddress(rank["rank_ip"], int(rank["rank_port"])).to_host_port_str()
 
-    def decode_node(self, bootstrap_addr: str, dp_rank: int) -> tuple[DecodeNode, PrefillGroup]:
+    def _start_decode_engine(self) -> None:
+        """The rank's one engine, with the pool and the aux buffers registered once, at start-up
+        (as sglang's managers do); every ``DecodeNode`` of the rank shares it
+        (``SharedEngine``), and connections are made off sglang's scheduler thread."""
+        self.engine = SharedEngine(create_backend(self.backend, host=self.local_ip,
+                                                  **self.engine_options))
+        self.log_transport(self.engine.engine)
+        self._registration = self.engine.user()
+        self._registration.register(self._cache_regions())
+        self._connector = ThreadPoolExecutor(
+            1, thread_name_prefix=f"dsa-bridge-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}-connect")
+
+    def decode_node(self, bootstrap_addr: str,
+                    dp_rank: int) -> tuple[DecodeNode, PrefillGroup] | None:
         """The node connected to the ranks of prefill DP group ``dp_rank`` at ``bootstrap_addr``
-        this rank talks to (``PrefillGroup``: every pipeline stage of each), made and handshaken
-        on first use, and that group. A failed attempt is not repeated before its backoff ends:
-        until then this raises the last reason at once."""
+        this rank talks to (``PrefillGroup``: every pipeline stage of each), and that group;
+        None while the connection (handshakes included) is being made on the manager's
+        connector thread, started by the first call. A failed attempt raises its reason, and is
+        not repeated before its backoff ends: until then this raises the last reason at once."""
         key = (bootstrap_addr, dp_rank)
         with self._lock:
             node = self.decode_nodes.get(key)
             if node is not None and not self._restarted(key, node):
                 return node, self.groups[key]
+            pending = self._connecting.get(key)
+            if pending is not None:
+                if not pending.done():
+                    return None
+                del self._connecting[key]
+                return self._connected(key, pending)
             if not self.try_ensure_parallel_info(bootstrap_addr):
                 raise HandshakeError(self.refusal(bootstrap_addr)
                                      or f"the prefill at {bootstrap_addr} is not registered yet")
@@ -438,20 +469,27 @@ class DSABridgeKVManager(BaseKVManager):
             if failure is not None and now < failure.retry_at:
                 raise HandshakeError(f"{failure.reason} (failed {failure.failures} time(s); next "
                                      f"attempt in {failure.retry_at - now:.1f}s)")
-            try:
-                group = self._group(bootstrap_addr, dp_rank)
-                node = self._connect(group)
-            except (HandshakeError, RuntimeError, ValueError, OSError) as exc:
-                self.node_failures[key] = PeerBackoff.after(failure, str(exc), self.clock())
-                log.warning("dsa-bridge: connecting to prefill %s (dp %d) failed (%d time(s), next "
-                            "attempt in %.0fs): %s", bootstrap_addr, dp_rank,
-                            self.node_failures[key].failures,
-                            self.node_failures[key].retry_at - self.clock(), exc)
-                raise
-            self.node_failures.pop(key, None)
-            self.decode_nodes[key] = node
-            self.groups[key] = group
-            return node, group
+            self._connecting[key] = self._connector.submit(self._connect, bootstrap_addr, dp_rank)
+            return None
+
+    def _connected(self, key: tuple[str, int],
+                   attempt: Future) -> tuple[DecodeNode, PrefillGroup]:
+        """The outcome of a connection attempt: the node kept, or the failure given a backoff
+        (logged once per attempt) and raised."""
+        try:
+            node, group = attempt.result()
+        except (HandshakeError, RuntimeError, ValueError, OSError,
+                requests.RequestException) as exc:
+            failure = self.node_failures.get(key)
+            self.node_failures[key] = PeerBackoff.after(failure, str(exc), self.clock())
+            log.warning("dsa-bridge: connecting to prefill %s (dp %d) failed (%d time(s), next "
+                        "attempt in %.0fs): %s", key[0], key[1], self.node_failures[key].failures,
+                        self.node_failures[key].retry_at - self.clock(), exc)
+            raise HandshakeError(str(exc)) from exc
+        self.node_failures.pop(key, None)
+        self.decode_nodes[key] = node
+        self.groups[key] = group
+        return node, group
 
     def _restarted(self, key: tuple[str, int], node: DecodeNode) -> bool:
         """Whether the prefill behind ``node``, which it cannot reach, registered new endpoints
@@ -503,16 +541,23 @@ class DSABridgeKVManager(BaseKVManager):
         return PrefillGroup(tuple(stages(targets.source)),
                             tuple(e for tp in targets.idle for e in stages(tp)), targets.copies)
 
-    def _connect(self, group: PrefillGroup) -> DecodeNode:
-        endpoints = group.endpoints
-        backend = create_backend(self.backend, host=self.local_ip, **self.engine_options)
-        self.log_transport(backend)
-        return DecodeNode(self.pool, backend,
-                          endpoints, name=f"decode-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}",
-                          request_timeout_s=self.phase_limits.node_timeout_s,
-                          in_flight_grace_s=IN_FLIGHT_GRACE_S, quarantine_timeout_s=QUARANTINE_TIMEOUT_S,
-                          aux_buffers=self.bridge.aux_buffers, secret=self.secret,
-                          checksums=self.checksums, staging_bytes=STAGING_BYTES)
+    def _connect(self, bootstrap_addr: str, dp_rank: int) -> tuple[DecodeNode, PrefillGroup]:
+        """Connect a node to the ranks of DP group ``dp_rank`` this rank talks to, over the
+        rank's shared engine (the connector thread)."""
+        group = self._group(bootstrap_addr, dp_rank)
+        backend = self.engine.user()
+        try:
+            node = DecodeNode(self.pool, backend, group.endpoints,
+                              name=f"decode-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}",
+                              request_timeout_s=self.phase_limits.node_timeout_s,
+                              in_flight_grace_s=IN_FLIGHT_GRACE_S,
+                              quarantine_timeout_s=QUARANTINE_TIMEOUT_S,
+                              aux_buffers=self.bridge.aux_buffers, secret=self.secret,
+                              checksums=self.checksums, staging_bytes=STAGING_BYTES)
+        except BaseException:
+            backend.close()  # (a node that failed closes it too: idempotent)
+            raise
+        return node, group
 
     # ---- decode: sglang's deferred release, answered by the fence ----------------------------
     def _log_release_bounds(self) -> None:
@@ -613,10 +658,17 @@ class DSABridgeKVManager(BaseKVManager):
         self.early_sends.close()
         if self.node is not None:
             self.node.close()
-        for node in [*self.decode_nodes.values(), *self.retired_nodes]:
+        if self._connector is not None:  # a connection still being made ends first
+            self._connector.shutdown(wait=True)
+        made = [f.result()[0] for f in self._connecting.values() if f.exception() is None]
+        for node in [*self.decode_nodes.values(), *self.retired_nodes, *made]:
             node.close()
         self.decode_nodes.clear()
         self.retired_nodes.clear()
+        self._connecting.clear()
+        if self.engine is not None:
+            self._registration.close()
+            self.engine.close()
 
 
 def _cuda() -> bool:
@@ -808,6 +860,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         self.require_staging = False
         self.abort_notified = False  # sglang's: the prefill was told to stop (``ensure_abort_notified``)
         self.bootstrap_infos: list[str] | None = None  # the prefill ranks that may write (endpoints)
+        self._dp_rank: int | None = None  # the prefill DP group, while its node is connecting
         self._node: DecodeNode | None = None
         self._group: PrefillGroup | None = None  # the prefill ranks the node talks to
         self._receiver: KVReceiver | None = None
@@ -827,20 +880,34 @@ class DSABridgeKVReceiver(BaseKVReceiver):
                 self._receiver.abort(reason)
 
     def init(self, prefill_dp_rank: int) -> None:
+        self._dp_rank = int(prefill_dp_rank)
+        self._attach()
+
+    def _attach(self) -> None:
+        """Join the node of its prefill DP group once it is connected (on the manager's
+        connector thread: until then the request stays Bootstrapping). A request that failed
+        meanwhile (an abort) still tells its prefill, at once."""
+        dp_rank = self._dp_rank
         try:  # the manager logs a refusal or a failed connection once, not per request
-            self._node, self._group = self.kv_mgr.decode_node(self.bootstrap_addr,
-                                                              int(prefill_dp_rank))
+            connected = self.kv_mgr.decode_node(self.bootstrap_addr, dp_rank)
         except (HandshakeError, RuntimeError, ValueError, OSError) as exc:
-            self._fail(f"prefill {self.bootstrap_addr} (dp {prefill_dp_rank}): {exc}", logged=True)
+            self._dp_rank = None
+            self._fail(f"prefill {self.bootstrap_addr} (dp {dp_rank}): {exc}", logged=True)
             return
+        if connected is None:
+            return
+        self._dp_rank = None
+        self._node, self._group = connected
         self.kv_mgr.forget_released()  # a room of a cleared request may be free again
         try:
             self._receiver = self._node.receiver(self.bootstrap_room, list(self._group.write))
         except ValueError as exc:
-            self._fail(f"prefill {self.bootstrap_addr} (dp {prefill_dp_rank}): {exc}")
+            self._fail(f"prefill {self.bootstrap_addr} (dp {dp_rank}): {exc}")
             return
         self.bootstrap_infos = [peer.endpoint for peer in self._receiver.peers]
         self.kv_mgr.track(self)
+        if self._failed is not None:  # failed while connecting
+            self._receiver.abort(self._failed.reason)
 
     def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None,
                       destination=KVTransferDestination.DEVICE) -> None:
@@ -888,6 +955,8 @@ class DSABridgeKVReceiver(BaseKVReceiver):
 
     def _status(self) -> KVPoll:
         self.kv_mgr.forget_released()
+        if self._dp_rank is not None:  # its node was being connected
+            self._attach()
         if self._failed is None and self._receiver is None:
             refusal = self.kv_mgr.refusal(self.bootstrap_addr)
             if refusal is not None:  # sglang's queue never calls init for a refused prefill
@@ -945,6 +1014,9 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         call site of sglang 0.5.23 releases them with it). A request still running is aborted;
         one whose fence still holds is a forced release (counted); the request leaves the node
         once its fence lifts."""
+        if self._dp_rank is not None:  # connecting: a connection made now tells its prefill
+            self._fail("cleared by sglang", logged=True)
+            self._attach()
         if self._receiver is None:
             return
         if self._receiver.poll() not in TERMINAL:

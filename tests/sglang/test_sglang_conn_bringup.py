@@ -19,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import threading
 
 import pytest
 import requests
 
 from tests.conftest import require_engine
+from tests.transfer.helpers import wait_for
 
 from .conftest import SGLANG_MISSING, published_context
 from .test_sglang_conn import DSV32, config, free_port, put_route, registration, run_ranks
@@ -90,8 +92,8 @@ def test_peer_backoff_doubles_from_one_second_to_thirty():
 
 def test_a_failed_connection_is_retried_with_backoff_not_per_request(monkeypatch, caplog):
     """A prefill whose handshake is refused (it holds layers 2..5, decode 0..3): the real
-    ``DecodeNode`` is constructed once, then once per backoff step; requests in between fail at
-    once with the last reason."""
+    ``DecodeNode`` is constructed once (off the scheduler thread), then once per backoff step;
+    requests in between fail at once with the last reason."""
     require_engine("nixl")
     made = []
 
@@ -116,8 +118,9 @@ def test_a_failed_connection_is_retried_with_backoff_not_per_request(monkeypatch
 
             def request() -> str:
                 receiver = conn.DSABridgeKVReceiver(manager, addr, next(room))
-                receiver.init(0)
-                assert receiver.poll() == 0  # Failed, at once
+                receiver.init(0)  # a connection attempt runs on the connector thread...
+                wait_for(lambda: receiver.poll() != 1, 30, "the attempt's end")  # ...Bootstrapping
+                assert receiver.poll() == 0  # Failed: by that attempt, or at once in its backoff
                 with pytest.raises(RuntimeError) as failed:
                     receiver.failure_exception()
                 return str(failed.value)
@@ -140,6 +143,50 @@ def test_a_failed_connection_is_retried_with_backoff_not_per_request(monkeypatch
         finally:
             prefill.close()
             server.close()
+
+
+def test_a_handshake_runs_off_the_scheduler_thread(monkeypatch):
+    """A prefill rank that takes the connection but never answers the handshake: ``init`` returns
+    at once and the request stays Bootstrapping while sglang's queue goes on; a second request to
+    that prefill waits on the same attempt; the attempt, on the manager's connector thread, ends
+    both Failed with the handshake's reason."""
+    import zmq
+
+    require_engine("nixl")
+    made = []
+
+    class RecordingDecodeNode(conn.DecodeNode):
+        def __init__(self, *args, **kwargs):
+            made.append(threading.current_thread().name)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(conn, "DecodeNode", RecordingDecodeNode)
+    port, context = free_port(), zmq.Context()
+    silent = context.socket(zmq.ROUTER)  # a prefill rank frozen before its first answer
+    silent.setsockopt(zmq.LINGER, 0)
+    silent_port = silent.bind_to_random_port("tcp://127.0.0.1")
+    server = conn.DSABridgeKVBootstrapServer("127.0.0.1", port)
+    try:
+        put_route(port, registration(rank_ip="127.0.0.1", rank_port=silent_port))
+        with published_context(disaggregation_mode="decode", disaggregation_transfer_backend="nixl") as sa:
+            manager = conn.DSABridgeKVManager(kv_args(BridgeDSATokenToKVPool(**DSV32)),
+                                              DisaggregationMode.DECODE, sa, True)
+            addr = f"127.0.0.1:{port}"
+            first, second = (conn.DSABridgeKVReceiver(manager, addr, room) for room in (1, 2))
+            first.init(0)
+            second.init(0)
+            assert first.poll() == second.poll() == 1  # Bootstrapping: the queue goes on
+            wait_for(lambda: made, 10, "the attempt")
+            assert len(made) == 1 and made[0] != threading.current_thread().name
+            wait_for(lambda: first.poll() == second.poll() == 0, 30, "the attempt's end")
+            for receiver in (first, second):
+                with pytest.raises(RuntimeError, match=f"prefill 127.0.0.1:{silent_port} did not answer"):
+                    receiver.failure_exception()
+            assert len(made) == 1 and manager.decode_nodes == {}
+            manager.shutdown()
+    finally:
+        server.close()
+        context.destroy(0)
 
 
 # ---- the registration address ----------------------------------------------------------------------

@@ -8,7 +8,8 @@ mapping for MLA pools, byte-exact on every decode rank.
 - ``tp1-into-tp2``: a TP-1 prefill into a TP-2 decode: the prefill rank writes the request to
   both decode ranks, each receiving every layer's KV and indexer and the aux slot once;
 - ``dp2-into-tp2``: a prefill of two DP-attention ranks (attention TP 1) into a TP-2 decode: each
-  request goes from its room's DP rank to both decode ranks.
+  request goes from its room's DP rank to both decode ranks; each decode rank connects a node
+  to each prefill DP group, both over its one engine.
 
 Widths that do not divide each other are refused by name (``pairing_problems``), and the
 mapping is sglang's (``tp_targets``).
@@ -112,6 +113,8 @@ def test_two_dp_attention_prefill_ranks_into_a_tp2_decode(widths, engine):
     even, odd, first, second = widths(engine, "dp2-into-tp2")
     assert exact(first) and exact(second), (first, second)
     assert first["groups"] == second["groups"] == [[1, 0, 2], [1, 0, 2]]
+    assert first["nodes"] == second["nodes"] == 2  # a node per prefill DP group...
+    assert first["engines"] == second["engines"] == 1  # ...over the rank's one engine
     assert even["verdicts"] == odd["verdicts"] == [4]
     assert even["bytes"] == 2 * first["compared"][0]["nbytes"]  # its room to both decode ranks
     assert odd["bytes"] == 2 * first["compared"][1]["nbytes"]

@@ -16,7 +16,8 @@ slots each):
   every request's verdict.
 - ``width-decode``: a receiver per request (``init`` with the prefill DP rank of its room),
   ``send_metadata``, then sglang's ``poll_and_all_reduce`` over the attention-TP group until
-  every verdict; each request's pages, aux slot and the rest of the pool compared.
+  every verdict; each request's pages, aux slot and the rest of the pool compared, and the
+  engines and nodes the rank made counted.
 """
 
 from __future__ import annotations
@@ -95,11 +96,16 @@ def decode_rank(cfg: dict, server_args) -> dict:
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
+    from dsa_bridge.plugin.sglang import conn
+
     as_rank(cfg)
     group = tp_group(cfg)
     pool, metadata = pd_rank.make_pool(cfg, bridge=True), pd_rank.metadata_buffers()
     for view in [*pd_rank.views(pool).values(), *pd_rank.aux_views(metadata)]:
         view.fill_(pd_rank.SENTINEL)
+    engines = []  # the engines the rank builds: one, whatever the prefill groups it reads
+    real = conn.create_backend
+    conn.create_backend = lambda *args, **kwargs: engines.append(1) or real(*args, **kwargs)
     manager = DecodePreallocQueue._init_kv_manager(
         pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata, "decode"))
     addr = f"127.0.0.1:{cfg['port']}"
@@ -122,7 +128,8 @@ def decode_rank(cfg: dict, server_args) -> dict:
               "groups": [[len(r._group.write), len(r._group.idle), r._group.copies] for r in receivers],
               "compared": [pd_rank.compare({**cfg, **request}, pool, metadata, receiver)
                            for receiver, request in zip(receivers, cfg["requests"], strict=True)],
-              "untouched": untouched(cfg, pool)}
+              "untouched": untouched(cfg, pool), "engines": len(engines),
+              "nodes": len(manager.decode_nodes)}
     for receiver in receivers:
         receiver.clear()
     manager.shutdown()

@@ -48,7 +48,9 @@ then calls ``failure_exception()`` on each and frees the pages: on a rank whose 
 not failed, the sender's and the receiver's ``failure_exception()`` stop it first (the receiver's
 abort holds its pages in the fence until no write can land), raising ``is_from_another_rank``.
 Each buffer is registered as the memory its pointer is (``memory_kinds``); HiSparse on decode is
-refused at start-up.
+refused at start-up. sglang's memory saver releases the cache through
+``deregister_buffer_to_engine`` (running requests fail, the cache leaves the engines first) and
+resumes it through ``register_buffer_to_engine``.
 
 sglang's deferred decode release (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``, on by
 default) is answered by dsa-bridge's fence: the manager supports it, ``register_deferred_abort_room``
@@ -186,10 +188,7 @@ class DSABridgeKVManager(BaseKVManager):
             ("a decode side with several pipeline stages",
              disaggregation_mode == DisaggregationMode.DECODE and self.pp_size > 1),
             ("--disaggregation-decode-allocation-policy prefill_complete (use the default)",
-             get_disagg().disaggregation_decode_allocation_policy == "prefill_complete"),
-            ("--enable-memory-saver (the engines' registrations of the cache would outlive "
-             "sglang's release of its memory)", bool(getattr(server_args, "enable_memory_saver",
-                                                           False)))) if on]
+             get_disagg().disaggregation_decode_allocation_policy == "prefill_complete")) if on]
         if limits:
             raise ValueError(f"dsa-bridge's transfer does not support {', '.join(limits)} (docs/sglang.md)")
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
@@ -234,6 +233,7 @@ class DSABridgeKVManager(BaseKVManager):
         self._stage_reporter: threading.Thread | None = None
         self.early_sends = EarlySendDispatcher(  # chunks held until sglang's forward wrote them
             f"dp{self.attn_dp_rank}-tp{self.attn_tp_rank}-pp{self.pp_rank}")
+        self.memory_released = False  # sglang's memory saver released the cache (not resumed)
         if prefill:
             try:
                 auth.check_listener(self.local_ip, self.secret, allow_insecure=False)
@@ -261,6 +261,64 @@ class DSABridgeKVManager(BaseKVManager):
             listen=listen, name=f"prefill-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}-pp{self.pp_rank}",
             aux_buffers=self.bridge.aux_buffers, request_timeout_s=self.phase_limits.node_timeout_s,
             secret=self.secret, checksums=self.checksums, route="direct", staging_bytes=STAGING_BYTES)
+
+    # ---- sglang's memory saver: the cache's memory released, then resumed --------------------
+    def deregister_buffer_to_engine(self) -> None:
+        """sglang releases the cache's memory (``release_memory_occupation``, with
+        ``--enable-memory-saver``): every request still running fails, then the cache leaves the
+        engine before its memory goes, so no write can reach that memory (a late one fails at
+        the engine). Prefill closes its node, engine included; decode closes its nodes and
+        deregisters the cache from the rank's engine. Until ``register_buffer_to_engine`` new
+        requests fail, naming the release."""
+        with self._lock:
+            if self.memory_released:
+                return
+            self.memory_released = True
+        reason = "the cache's memory was released (sglang's release_memory_occupation)"
+        if self.node is not None:
+            failed = self.node.abort_all(reason)
+            self.node.close()
+            log.info("dsa-bridge: prefill rank %s released its cache (%d request(s) failed)",
+                     self.node.endpoint, failed)
+            return
+        live = list(self._live.values())
+        for receiver in live:
+            receiver._fail(reason)
+        for attempt in list(self._connecting.values()):  # a connection still being made ends first
+            if attempt.exception() is None:
+                attempt.result()[0].close()
+        for node in [*self.decode_nodes.values(), *self.retired_nodes]:
+            node.close()
+        self.decode_nodes.clear()
+        self.groups.clear()
+        self.retired_nodes.clear()
+        self._connecting.clear()
+        self._live.clear()
+        self._unreleased.clear()  # their pages leave with the memory: nothing can land there now
+        self._registration.unregister(self._cache_regions())
+        log.info("dsa-bridge: decode rank dp%d-tp%d released its cache (%d request(s) failed)",
+                 self.attn_dp_rank, self.attn_tp_rank, len(live))
+
+    def register_buffer_to_engine(self) -> None:
+        """sglang resumed the cache's memory (``resume_memory_occupation``, at the same
+        addresses): prefill starts its node again (a new engine, on the same port where it can:
+        decode's nodes re-handshake with it; else a new port, registered with the bootstrap
+        server), decode registers the cache with its engine again and connects anew on demand."""
+        with self._lock:
+            if not self.memory_released:
+                return
+            self.memory_released = False
+        if self.node is None:
+            self._registration.register(self._cache_regions())
+            return
+        try:
+            self.node = self._prefill_node(self.node.endpoint)
+        except OSError as exc:  # the port was taken meanwhile
+            log.info("dsa-bridge: prefill rank %s: %s; listening on a new port", self.node.endpoint,
+                     exc)
+            self.node = self._prefill_node(f"{self.local_ip}:0")
+            self.register_to_bootstrap()
+        log.info("dsa-bridge: prefill rank %s resumed its cache", self.node.endpoint)
 
     def _cache_regions(self) -> list:
         return [*self.pool.buffer_descriptors(), *as_aux_buffers(self.bridge.aux_buffers)]
@@ -462,6 +520,9 @@ class DSABridgeKVManager(BaseKVManager):
                     return None
                 del self._connecting[key]
                 return self._connected(key, pending)
+            if self.memory_released:
+                raise HandshakeError("this rank's cache memory is released (sglang's "
+                                     "release_memory_occupation, not resumed yet)")
             if not self.try_ensure_parallel_info(bootstrap_addr):
                 raise HandshakeError(self.refusal(bootstrap_addr)
                                      or f"the prefill at {bootstrap_addr} is not registered yet")
@@ -726,6 +787,9 @@ class DSABridgeKVSender(BaseKVSender):
         while not mgr.node.incoming.empty():  # rooms decode announced first: informational only
             mgr.node.incoming.get_nowait()
         try:
+            if mgr.memory_released:
+                raise ValueError("this rank's cache memory is released (sglang's "
+                                 "release_memory_occupation, not resumed yet)")
             self._sender = mgr.node.sender(bootstrap_room)
         except ValueError as exc:
             self._sender = None

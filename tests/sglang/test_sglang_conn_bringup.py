@@ -337,15 +337,12 @@ def test_prefill_registers_its_dp_rank_where_decode_must_ask_and_fails_a_conflic
     ("prefill", {"disaggregation_decode_allocation_policy": "prefill_complete"},
      "--disaggregation-decode-allocation-policy prefill_complete"),
     ("decode", {"pp_size": 2}, "a decode side with several pipeline stages"),
-    ("decode", {"enable_memory_saver": True}, "--enable-memory-saver"),
-    ("prefill", {"enable_memory_saver": True}, "--enable-memory-saver"),
 ])
 def test_a_shape_dsa_bridge_does_not_serve_is_refused_at_start_up_by_name(mode, fields, named):
     """Refused when the manager is made (sglang's scheduler start-up), never at a request: with
     ``prefill_complete`` sglang's prefill would call ``mark_prefill_complete``, which dsa-bridge's
-    sender does not have, at the first request; with the memory saver sglang releases the cache's
-    memory while the engines still have it registered (dsa-bridge has no
-    ``deregister_buffer_to_engine``)."""
+    sender does not have, at the first request; a pipelined decode's KVArgs do not say its layer
+    range."""
     with published_context(disaggregation_mode=mode, disaggregation_transfer_backend="nixl",
                            **fields) as sa:
         args = kv_args(BridgeDSATokenToKVPool(**DSV32))

@@ -43,6 +43,7 @@ from ..counters import Counters
 from ..handshake import HandshakeError, pool_buffers
 from ..node_runtime import NodeRuntime
 from ..plan import as_aux_buffers
+from ..request import TERMINAL
 from ..staging import check_route
 from .checksums import ChunkChecksums
 from .outcomes import ChunkReporter
@@ -135,6 +136,14 @@ class PrefillNode:
 
     def sender(self, room: int) -> KVSender:
         return self._requests.new_sender(room)
+
+    def abort_all(self, reason: str) -> int:
+        """Fail every request not finished yet, with ``reason`` (as its own ``abort``); how many."""
+        with self._lock:
+            live = [s for s in self._requests.senders.values() if s.state.status not in TERMINAL]
+            for sender in live:
+                self._reporter.fail_locked(sender, reason)
+        return len(live)
 
     def peers(self) -> list[str]:
         with self._lock:

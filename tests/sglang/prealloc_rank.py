@@ -62,6 +62,15 @@ def register_refused_prefill(port: int) -> object:
     return server
 
 
+def _registered(requests, addr: str) -> bool:
+    """Whether the prefill at ``addr`` is fully registered (its server may not listen yet)."""
+    try:
+        return requests.get(f"http://{addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
+                            "&target_tp_rank=-1&target_pp_rank=-1", timeout=5).status_code == 200
+    except requests.ConnectionError:
+        return False
+
+
 def _put(requests, port: int, payload: dict) -> bool:
     try:
         return requests.put(f"http://127.0.0.1:{port}/route", json=payload, timeout=5).status_code == 200
@@ -160,9 +169,7 @@ def run(cfg: dict) -> dict:
 
         # a good prefill afterwards, through the same queue and manager
         good = f"127.0.0.1:{cfg['port']}"
-        wait_for(lambda: requests.get(f"http://{good}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
-                                      "&target_tp_rank=-1&target_pp_rank=-1", timeout=5).status_code == 200,
-                 240, "the good prefill's registration")
+        wait_for(lambda: _registered(requests, good), 240, "the good prefill's registration")
         queue.add(make_req("good", cfg["port"], cfg["room"]))
         (decode_req,) = [d for d in queue.queue if d.req.rid == "good"]
         wait_for(lambda: step(queue) or decode_req.waiting_for_input, 60, "the good prefill's handshake")

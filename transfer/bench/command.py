@@ -17,6 +17,10 @@ then cut to a few layers up to 128K tokens), layers (GLM-5.2 cut to N layers), p
 the planner's cost per request and the pool operations against memcpy. Layer sets: GLM-5.2 in the
 compact layout against the uniform one, bytes on the wire and end-to-end time.
 
+The ``sglang`` section (``sglang_pd``, where sglang is installed): the same requests through
+sglang's own Mooncake connector and through dsa-bridge's, driven by the same sglang code on the
+same pools; elsewhere it says why it is skipped. ``--sections`` runs only some sections.
+
 This module is the command and its report (headline figures, targets, tables, plots); it loads
 torch and the engines only when a bench runs. Progress goes to stderr. With ``--json`` the only
 thing on stdout is the report: while the bench runs, file descriptor 1 points at stderr, where
@@ -39,6 +43,7 @@ from importlib import metadata
 from ..backends import BACKENDS
 from ..launcher.options import choice_list, output_dir
 from ..staging import choose_route, thresholds_for
+from .sglang_pd import print_section, run_section
 from .sizes import SIZES
 
 REPORT_VERSION = 1
@@ -49,6 +54,7 @@ TARGETS = {"ratio_vs_raw": 0.9, "plan_share": 0.02, "pool_vs_memcpy": 0.5, "chec
 TARGET_CONCURRENCY = (16, 64)  # requests in flight the concurrent_ratio_vs_raw target covers
 ENGINE_PACKAGES = ("mooncake-transfer-engine-non-cuda", "nixl-cu12")
 QUIET_ENV = {"MC_LOG_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "ERROR", "UCX_LOG_LEVEL": "error"}
+SECTIONS = ("core", "sglang")  # core: everything but the sglang section
 
 
 def machine() -> dict:
@@ -384,6 +390,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        help=f"comma-separated, of {', '.join(BACKENDS)} (default: all)")
     bench.add_argument("--indexer-layout", default="uniform", choices=("uniform", "compact"),
                        help="the GLM-5.2 layer sweep's pools (the layer-sets sweep runs both)")
+    bench.add_argument("--sections", type=choice_list(SECTIONS), default=",".join(SECTIONS),
+                       help="comma-separated, of core (dsa-bridge against the engine and memcpy) "
+                            "and sglang (sglang's own Mooncake connector against dsa-bridge's, "
+                            "where sglang is installed) (default: both)")
     bench.add_argument("--json", action="store_true", help="print the report as one JSON object")
     bench.add_argument("--plots", metavar="DIR", type=output_dir,
                        help="write bench_gbps_vs_length.png and bench_plan_cost.png there "
@@ -393,12 +403,20 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
+    core = "core" in args.sections
     with stdout_to_stderr() if args.json else contextlib.nullcontext():
-        report = run(args.size, args.backends, args.indexer_layout)
-        if args.plots:
+        report = (run(args.size, args.backends, args.indexer_layout) if core
+                  else {"version": REPORT_VERSION, "size": args.size, "machine": machine()})
+        if args.plots and core:
             report["plots"] = write_plots(report, args.plots)
+        if "sglang" in args.sections:
+            report["sglang"] = run_section(args.size, lambda text: print(
+                f"[bench] {text}", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(report), flush=True)
-    else:
+        return 0
+    if core:
         print_tables(report)
+    if "sglang" in report:
+        print_section(report["sglang"])
     return 0

@@ -1,0 +1,315 @@
+"""The ``sglang`` section of ``dsa-bridge bench``: the same requests through sglang's own Mooncake
+connector (``MooncakeKVManager``, ``MooncakeKVSender``, ``MooncakeKVReceiver``) and through
+dsa-bridge's, both driven by the same sglang code on the same pools. (sglang's prefill writes a
+request in three ``batch_transfer_sync_write`` calls — KV, the indexer through its
+``maybe_send_extra``, aux — on the one transfer thread of the decode's queue; dsa-bridge's in
+one engine write of all the requests queued for that decode.)
+
+Where sglang is installed (``.venv-sglang``), four rank processes (``bench.sglang_rank``): a
+prefill and a decode per connector, each as a scheduler process on the CPU builds it — sglang's
+own DSA token-to-KV pool (DeepSeek-V3.2), ``MetadataBuffers`` and ``_init_kv_manager``; which
+connector it gets is sglang's ``get_kv_class`` after its ``load_plugins()``, with
+``SGLANG_PLUGINS=dsa_bridge`` or without. Mooncake over TCP on loopback for both.
+
+The requests move in waves of ``in_flight`` requests, the two connectors' waves interleaved
+(A B A B ...) so that the machine's load falls on both alike. A wave: decode's receivers are
+made and send their pages (sglang's prealloc queue), prefill's senders see them (its bootstrap
+queue) — then the timed window, from prefill's first ``send`` to the moment decode saw the last
+request Success; then decode compares every request's KV, indexer and aux bytes with prefill's.
+Each connector's first wave of a mode is a warm-up (its connections made, its pages touched):
+checked, not counted.
+Per connector and mode: ms per request, GB/s, each process's CPU seconds in the windows; the
+ratio dsa-bridge / sglang is the median, over wave pairs, of sglang's wave seconds over
+dsa-bridge's (above 1: dsa-bridge faster).
+
+This module does not import sglang: the bench process only drives the ranks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+PAGE = 64  # tokens a page, the ranks' sglang --page-size
+CONNECTORS = ("sglang", "dsa-bridge")
+CONNECTOR_ENV = {"sglang": {}, "dsa-bridge": {"SGLANG_PLUGINS": "dsa_bridge"}}
+RANK_ENV = {"SGLANG_HOST_IP": "127.0.0.1", "MC_FORCE_TCP": "1", "MOONCAKE_PROTOCOL": "tcp",
+            "MC_LOG_LEVEL": "ERROR"}
+TARGET_RATIO = 1.0  # dsa-bridge / sglang's own, at every mode
+START_TIMEOUT_S = 120.0  # a rank imports sglang: tens of seconds on a loaded 2-core host
+COMMAND_TIMEOUT_S = 300.0
+SEED = 19
+ROOM_BASE = 2**40
+
+
+@dataclass(frozen=True)
+class Mode:
+    """``requests`` requests of ``tokens`` tokens each, ``in_flight`` at a time."""
+
+    in_flight: int
+    requests: int
+    tokens: int
+
+    @property
+    def pages(self) -> int:
+        return self.tokens // PAGE
+
+    @property
+    def waves(self) -> int:
+        return self.requests // self.in_flight
+
+
+@dataclass(frozen=True)
+class PDSizes:
+    layers: int  # DeepSeek-V3.2 cut to this many (61: the whole model)
+    modes: tuple[Mode, ...]
+
+    @property
+    def pool_pages(self) -> int:
+        """Pages the pools hold: the largest wave's, and the padding page."""
+        return max(m.in_flight * m.pages for m in self.modes) + 1
+
+    @property
+    def slots(self) -> int:
+        return max(m.in_flight for m in self.modes)
+
+
+SGLANG_SIZES = {
+    "full": PDSizes(layers=61, modes=(Mode(1, 16, 8192), Mode(8, 64, 2048))),
+    "quick": PDSizes(layers=61, modes=(Mode(1, 8, 8192), Mode(8, 32, 2048))),
+    "tiny": PDSizes(layers=4, modes=(Mode(1, 2, 256), Mode(2, 4, 128))),
+}
+
+
+def sglang_problem() -> str | None:
+    """Why the section cannot run in this interpreter (None: it can)."""
+    if importlib.util.find_spec("sglang") is None:
+        return (f"sglang is not importable from {sys.executable}: the sglang section runs "
+                "where sglang is installed (.venv-sglang, see docs/sglang.md)")
+    return None
+
+
+def wave_requests(mode: Mode, wave: int) -> list[list[int]]:
+    """A wave's requests as (bootstrap room, slot, pages): the same rooms on both connectors
+    (wave -1: the warm-up)."""
+    first = ROOM_BASE + 1000 * (wave + 1) + 100 * mode.in_flight
+    return [[first + slot, slot, mode.pages] for slot in range(mode.in_flight)]
+
+
+def summarize(waves: list[dict]) -> dict:
+    """Per mode (``"in_flight x tokens"``): each connector's ms per request (median over its
+    waves), GB/s (all its bytes over all its windows), CPU seconds of each process summed over
+    the windows, and the ratio dsa-bridge / sglang (median over wave pairs of sglang's seconds
+    over dsa-bridge's) with whether it meets ``TARGET_RATIO``. Each wave: ``connector``,
+    ``in_flight``, ``tokens``, ``pair`` (which wave pair; -1: a warm-up wave, not counted),
+    ``seconds``, ``nbytes``, ``prefill_cpu_s``, ``decode_cpu_s``, ``mismatched``."""
+    modes: dict[str, dict] = {}
+    waves = [w for w in waves if w["pair"] >= 0]  # not the warm-up waves
+    for name in dict.fromkeys(f"{w['in_flight']} x {w['tokens']}" for w in waves):
+        rows = [w for w in waves if f"{w['in_flight']} x {w['tokens']}" == name]
+        entry: dict = {"in_flight": rows[0]["in_flight"], "tokens": rows[0]["tokens"]}
+        for connector in CONNECTORS:
+            mine = [w for w in rows if w["connector"] == connector]
+            seconds = sum(w["seconds"] for w in mine)
+            entry[connector] = {
+                "requests": sum(w["in_flight"] for w in mine),
+                "ms_per_request": 1e3 * statistics.median(w["seconds"] / w["in_flight"]
+                                                          for w in mine),
+                "gbps": sum(w["nbytes"] for w in mine) / seconds / 1e9,
+                "prefill_cpu_s": sum(w["prefill_cpu_s"] for w in mine),
+                "decode_cpu_s": sum(w["decode_cpu_s"] for w in mine),
+                "byte_exact": all(not w["mismatched"] for w in mine),
+            }
+        by_pair = {}
+        for w in rows:
+            by_pair.setdefault(w["pair"], {})[w["connector"]] = w["seconds"]
+        entry["ratio"] = statistics.median(p["sglang"] / p["dsa-bridge"] for p in by_pair.values()
+                                           if len(p) == len(CONNECTORS))
+        entry["target_met"] = entry["ratio"] >= TARGET_RATIO
+        modes[name] = entry
+    return modes
+
+
+class RankProcess:
+    """One rank's process and its ZMQ PAIR command channel: ``submit`` a command, later take its
+    ``reply``, so that prefill and decode work at once; ``stop`` ends it by PID."""
+
+    def __init__(self, connector: str, role: str) -> None:
+        import zmq
+
+        self.name = f"{connector} {role}"
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PAIR)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+        env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "dsa_bridge.transfer.bench.sglang_rank", "--control",
+             f"tcp://127.0.0.1:{port}", "--role", role],
+            env={**env, **RANK_ENV, **CONNECTOR_ENV[connector]}, stdout=sys.stderr,
+            stdin=subprocess.DEVNULL)
+        self._pending: str | None = "start"
+
+    def submit(self, op: str, **fields: object) -> None:
+        import msgspec
+
+        if self._pending is not None:  # the answer to the last command (or the start)
+            self.reply()
+        self._socket.send(msgspec.msgpack.encode({"op": op, **fields}))
+        self._pending = op
+
+    def reply(self, op: str | None = None) -> dict:
+        import msgspec
+
+        op = op or self._pending
+        timeout = START_TIMEOUT_S if op == "start" else COMMAND_TIMEOUT_S
+        deadline = time.monotonic() + timeout
+        while not self._socket.poll(100):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"bench {self.name} exited with code "
+                                   f"{self.process.returncode} during {op}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"bench {self.name} did not answer {op} in {timeout:.0f} s")
+        self._pending = None
+        reply = msgspec.msgpack.decode(self._socket.recv())
+        if not reply["ok"]:
+            raise RuntimeError(f"bench {self.name}: {op} failed: {reply['error']}")
+        return reply
+
+    def call(self, op: str, **fields: object) -> dict:
+        self.submit(op, **fields)
+        return self.reply()
+
+    def stop(self) -> None:
+        import msgspec
+        import zmq
+
+        try:
+            if self.process.poll() is None:
+                try:
+                    self._socket.send(msgspec.msgpack.encode({"op": "quit"}), zmq.NOBLOCK)
+                    self.process.wait(20)
+                except (zmq.ZMQError, subprocess.TimeoutExpired):
+                    self.process.kill()
+                    self.process.wait(10)
+        finally:
+            self._socket.close(0)
+            self._context.term()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ConnectorPair:
+    """A connector's prefill and decode ranks, on pools of the same geometry."""
+
+    def __init__(self, connector: str) -> None:
+        self.connector = connector
+        self.prefill = RankProcess(connector, "prefill")
+        try:
+            self.decode = RankProcess(connector, "decode")
+        except BaseException:
+            self.prefill.stop()
+            raise
+
+    def submit_setup(self, sizes: PDSizes) -> None:
+        fields = dict(layers=sizes.layers, pool_pages=sizes.pool_pages, slots=sizes.slots,
+                      port=free_port(), seed=SEED)
+        self.prefill.submit("setup", **fields)
+        self.decode.submit("setup", **fields)
+
+    def managers(self) -> list[str]:
+        return [self.prefill.reply()["manager"], self.decode.reply()["manager"]]
+
+    def wave(self, mode: Mode, pair: int) -> dict:
+        """One wave of ``mode`` (see the module docstring), its figures."""
+        requests = wave_requests(mode, pair)
+        started = time.monotonic()
+        self.decode.submit("prepare", requests=requests)
+        self.prefill.submit("prepare", requests=requests)
+        self.decode.reply()
+        self.prefill.reply()
+        prepared = time.monotonic()
+        self.decode.submit("wait")
+        sent = self.prefill.call("go")
+        received = self.decode.reply()
+        moved = time.monotonic()
+        checked = self.decode.call("verify")
+        return {"connector": self.connector, "in_flight": mode.in_flight, "tokens": mode.tokens,
+                "pair": pair, "seconds": received["end"] - sent["start"],
+                "nbytes": checked["nbytes"], "mismatched": checked["mismatched"],
+                "prefill_cpu_s": sent["cpu_s"], "decode_cpu_s": received["cpu_s"],
+                "prefill_seconds": sent["end"] - sent["start"],  # to prefill's last Success
+                "prepare_s": prepared - started, "verify_s": time.monotonic() - moved}
+
+    def stop(self) -> None:
+        try:
+            self.prefill.stop()
+        finally:
+            self.decode.stop()
+
+
+def run_section(size: str, progress) -> dict:
+    """The section at ``SGLANG_SIZES[size]``: its report (``skipped`` with the reason where
+    sglang is not importable here)."""
+    problem = sglang_problem()
+    if problem is not None:
+        progress(f"sglang section skipped: {problem}")
+        return {"skipped": problem}
+    sizes = SGLANG_SIZES[size]
+    started, load = time.monotonic(), os.getloadavg()
+    pairs: list[ConnectorPair] = []
+    try:
+        for connector in CONNECTORS:
+            pairs.append(ConnectorPair(connector))
+        for pair in pairs:
+            pair.submit_setup(sizes)
+        managers = {pair.connector: pair.managers() for pair in pairs}
+        progress(f"sglang section: ranks ready in {time.monotonic() - started:.0f} s: {managers}")
+        waves = []
+        for mode in sizes.modes:
+            for number in range(-1, mode.waves):  # -1: each connector's warm-up wave
+                for pair in pairs:  # A B A B ...
+                    waves.append(pair.wave(mode, number))
+            progress(f"sglang section: {mode.requests} x {mode.tokens} tokens, "
+                     f"{mode.in_flight} in flight, done at {time.monotonic() - started:.0f} s")
+    finally:
+        for pair in pairs:
+            pair.stop()
+    mismatched = [f"{w['connector']}: {m}" for w in waves for m in w["mismatched"]]
+    if mismatched:
+        raise RuntimeError(f"sglang section: bytes differ after the transfer: {mismatched[:5]}")
+    return {"layers": sizes.layers, "managers": managers,
+            "load_average": {"start": load, "end": os.getloadavg()},
+            "seconds": round(time.monotonic() - started, 1), "target": TARGET_RATIO,
+            "modes": summarize(waves), "waves": waves}
+
+
+def print_section(section: dict) -> None:
+    """The section as a table (or why it was skipped)."""
+    if "skipped" in section:
+        print(f"\nsglang: skipped ({section['skipped']})")
+        return
+    load = section["load_average"]
+    print(f"\nsglang's own Mooncake connector against dsa-bridge's (DeepSeek-V3.2, "
+          f"{section['layers']} layers, {section['seconds']:.0f} s, load average "
+          f"{load['start'][0]:.1f} -> {load['end'][0]:.1f})")
+    print(f"{'in flight x tokens':18} {'connector':10} {'requests':>8} {'ms/req':>7} {'GB/s':>6} "
+          f"{'prefill cpu s':>13} {'decode cpu s':>12} {'exact':>5} {'ratio':>6}")
+    for name, entry in section["modes"].items():
+        for connector in CONNECTORS:
+            row = entry[connector]
+            ratio = f"{entry['ratio']:>5.2f}x" if connector == CONNECTORS[-1] else ""
+            print(f"{name:18} {connector:10} {row['requests']:>8} {row['ms_per_request']:>7.1f} "
+                  f"{row['gbps']:>6.2f} {row['prefill_cpu_s']:>13.2f} {row['decode_cpu_s']:>12.2f} "
+                  f"{'yes' if row['byte_exact'] else 'NO':>5} {ratio:>6}")

@@ -126,7 +126,13 @@ from .bringup import (
 from .early_send import EarlySendDispatcher
 from .kvargs import bridge_buffers, dsa_problem
 from .memory_kinds import hisparse_problem, kind_of, pointer_info
-from .mixed import DECODE_POLICY_MARK, ForeignDecodes, foreign_route_query, marked_route_query
+from .mixed import (
+    DECODE_POLICY_MARK,
+    ForeignDecodes,
+    PrefillAborts,
+    foreign_route_query,
+    marked_route_query,
+)
 from .paged_buffers import PagedBuffers
 from .phases import PhaseClock, PhaseLimits
 
@@ -221,6 +227,7 @@ class DSABridgeKVManager(BaseKVManager):
         self._connecting: dict[tuple[str, int], Future] = {}  # connections being made
         self._connector: ThreadPoolExecutor | None = None  # makes them, off sglang's thread
         self.engine: SharedEngine | None = None  # decode: one engine for every node of the rank
+        self.prefill_aborts: PrefillAborts | None = None  # decode: sglang's own prefills told
         self.groups: dict[tuple[str, int], PrefillGroup] = {}  # the ranks each node talks to
         self.node_failures: dict[tuple[str, int], PeerBackoff] = {}
         self.route_checked: dict[tuple[str, int], float] = {}  # when a lost prefill was looked up
@@ -475,6 +482,15 @@ class DSABridgeKVManager(BaseKVManager):
             log.error("dsa-bridge: room %s: registering its prefill DP rank failed: %d %s", room,
                       response.status_code, response.text)
 
+    def tell_sglang_prefill(self, bootstrap_addr: str, room: int, reason: str) -> None:
+        """This rank refused ``room`` of the prefill at ``bootstrap_addr`` for ``reason``: if that
+        prefill runs sglang's own connector, its ranks are told in sglang's protocol, off the
+        scheduler thread (``mixed.PrefillAborts``, made on first use)."""
+        with self._lock:
+            if self.prefill_aborts is None:
+                self.prefill_aborts = PrefillAborts(KV_LAYOUT_MARK)
+        self.prefill_aborts.notify(bootstrap_addr, room, reason)
+
     def refusal(self, bootstrap_addr: str) -> str | None:
         """Why the prefill at ``bootstrap_addr`` was refused; None when it was not."""
         return self.refused_prefills.get(bootstrap_addr)
@@ -717,6 +733,8 @@ class DSABridgeKVManager(BaseKVManager):
         if self.stage_status is not None:
             self.stage_status.close()
         self.early_sends.close()
+        if self.prefill_aborts is not None:
+            self.prefill_aborts.close()
         if self.node is not None:
             self.node.close()
         if self._connector is not None:  # a connection still being made ends first
@@ -1025,6 +1043,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
             refusal = self.kv_mgr.refusal(self.bootstrap_addr)
             if refusal is not None:  # sglang's queue never calls init for a refused prefill
                 self._fail(refusal, logged=True)
+                self.kv_mgr.tell_sglang_prefill(self.bootstrap_addr, self.bootstrap_room, refusal)
         if self._failed is not None:
             return KVPoll.Failed
         if self._receiver is None:

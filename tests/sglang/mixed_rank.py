@@ -6,11 +6,15 @@ process, so the same calls give dsa-bridge's classes on one side and sglang's ow
 As ``pd_rank.py``: sglang's own pool, ``MetadataBuffers`` and ``_init_kv_manager`` on the CPU (for
 sglang's own Mooncake manager, sglang's shared Mooncake engine first, as its model runner does),
 then the calls of sglang's queues. Prefill (``prefill``): the bootstrap server, the manager, a
-sender, polled (its bootstrap queue) until decode is done (a file), then its status; with
-dsa-bridge's server, the foreign-decode count and when it first rose. Decode (``decode``): once
-the prefill is fully registered, a receiver (``t0``), the parallel info asked once a second and
-the receiver polled (its prealloc queue), ``init`` once the info is known, until the request
-fails or 30 s pass; its status, its reason and the time it took. Times are wall clock
+sender, polled (its bootstrap queue) until decode is done (a file) — sglang's own prefill until
+its request failed too, or ``ABORT_WAIT_S`` after that — then its status, when it failed and why
+(sglang's ``failure_exception``, what its bootstrap queue aborts the request with); with
+dsa-bridge's server, the foreign-decode count and when it first rose; then it says it is done (a
+second file). Decode (``decode``): once the prefill is fully registered, a
+receiver (``t0``), the parallel info asked once a second and the receiver polled (its prealloc
+queue), ``init`` once the info is known, until the request fails or 30 s pass; its status, its
+reason and the time it took; it stays up (dsa-bridge's ABORT sender is a thread of its process)
+until the prefill is done, and reports the ABORT messages sent. Times are wall clock
 (``time.time``), compared across the two processes of one host.
 """
 
@@ -29,6 +33,7 @@ from tests.sglang.pd_rank import close, make_pool, metadata_buffers, reason_of, 
 from tests.transfer.helpers import wait_for
 
 END_S = 30.0
+ABORT_WAIT_S = 15.0  # how long sglang's prefill waits for its request to fail once decode is done
 
 
 def init_engine(cfg: dict, manager_class) -> None:
@@ -49,6 +54,7 @@ def manager_class(cfg: dict):
 
 
 def run_prefill(cfg: dict, server_args) -> dict:
+    from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
     from sglang.srt.runtime_context import get_parallel
@@ -63,15 +69,24 @@ def run_prefill(cfg: dict, server_args) -> dict:
     sender = get_kv_class(backend, KVClassType.SENDER)(
         mgr=manager, bootstrap_addr=f"127.0.0.1:{cfg['port']}", bootstrap_room=cfg["room"])
     foreign = getattr(server, "foreign_decodes", None)
-    result = {"manager": type(manager).__name__, "recognised_at": None}
-    deadline = time.monotonic() + 240  # decode's start, its request and its report
-    while not Path(cfg["done"]).exists() and time.monotonic() < deadline:
-        sender.poll()  # sglang's bootstrap queue
+    result = {"manager": type(manager).__name__, "recognised_at": None, "failed_at": None}
+    deadline, decode_done = time.monotonic() + 240, None  # decode's start, its request, its report
+    while time.monotonic() < deadline:
+        if sender.poll() == KVPoll.Failed and result["failed_at"] is None:  # the bootstrap queue
+            result["failed_at"] = time.time()
         if foreign is not None and foreign.count and result["recognised_at"] is None:
             result["recognised_at"] = time.time()
+        if decode_done is None and Path(cfg["done"]).exists():
+            decode_done = time.monotonic()
+        if decode_done is not None and (foreign is not None or result["failed_at"] is not None
+                                        or time.monotonic() - decode_done > ABORT_WAIT_S):
+            break
         time.sleep(0.05)
     result.update(poll=int(sender.poll()), foreign=None if foreign is None else foreign.count)
+    if result["failed_at"] is not None:
+        result["reason"] = reason_of(sender)
     close(server)
+    Path(cfg["prefill_done"]).touch()
     return result
 
 
@@ -112,6 +127,9 @@ def run_decode(cfg: dict, server_args) -> dict:
     if reason:
         result["reason"] = reason
     Path(cfg["done"]).touch()
+    wait_for(lambda: Path(cfg["prefill_done"]).exists(), ABORT_WAIT_S + 30, "the prefill's end")
+    aborts = getattr(manager, "prefill_aborts", None)  # dsa-bridge's decode only
+    result["aborts_sent"] = None if aborts is None else aborts.sent
     return result
 
 

@@ -13,12 +13,16 @@ the pages to a "new owner" (refilled with another sentinel); the scheduler's out
 tree cache are no-ops.
 
 Per scenario, as sglang's queues call it: receiver, ``try_ensure_parallel_info``, ``init``,
-``send_metadata`` (prealloc queue); ``add`` to the transfer queue; then the scheduler's abort of a
-transfer-queue request (``kv_receiver.abort()``, scheduler.py ~5780) once prefill's write is half
-landed (the prefill holds every write in flight ``DSA_BRIDGE_FAULT_WRITE_DELAY_MS``), or, for a
-corrupted page, nothing; then each step ``pop_transferred`` and ``resolve_deferred_releases``
-(decode.py ~2835-2975, ~3046-3110), asking sglang's question ``is_abort_release_safe`` beside
-them, until the pages are released and the prefill's write window is over.
+``send_metadata`` (prealloc queue); ``add`` to the transfer queue; then, once prefill's write is
+half landed (the prefill holds every write in flight ``DSA_BRIDGE_FAULT_WRITE_DELAY_MS``), the
+request's end: the scheduler's abort of a transfer-queue request (``kv_receiver.abort()``,
+scheduler.py ~5780; ``abort``), or the prefill's process killed (``kill_prefill``: its pid; decode
+finds it silent, then gone), or nothing: sglang's waiting timeout (``waiting_timeout``, set as
+``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` for the manager) or a corrupted page fails it; then each
+step ``pop_transferred`` and ``resolve_deferred_releases`` (decode.py ~2835-2975, ~3046-3110),
+asking sglang's question ``is_abort_release_safe`` beside them, until the pages are released and
+the prefill's write window is over. When the request first polls Failed, how long after it was
+queued and how much of prefill's write had landed.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from types import SimpleNamespace
@@ -38,6 +43,7 @@ from tests.transfer.helpers import wait_for
 NEW_OWNER = 0x3C  # the bytes a new request writes into pages sglang released
 ENV = ("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE",
        "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT")
+WAITING_ENV = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"
 
 
 class Warnings(logging.Handler):
@@ -147,6 +153,10 @@ def run(cfg: dict, server_args, group, warnings: Warnings) -> dict:
 
     for name, value in zip(ENV, cfg["env"], strict=True):
         os.environ[name] = value
+    if "waiting_timeout" in cfg:
+        os.environ[WAITING_ENV] = str(cfg["waiting_timeout"])
+    else:
+        os.environ.pop(WAITING_ENV, None)  # sglang's default
     warnings.messages.clear()
     side = queued_request(cfg, server_args, group)
     pool, expected, manager, released = side.pool, side.expected, side.manager, side.released
@@ -163,15 +173,22 @@ def run(cfg: dict, server_args, group, warnings: Warnings) -> dict:
         result.update(in_node_at_end=room in node._receivers, forced_releases=manager.forced_releases)
         manager.shutdown()
         return result
-    if cfg["abort"]:
+    queued_at = time.monotonic()
+    if cfg["abort"] or cfg.get("kill_prefill"):
         wait_for(lambda: landed(pool, cfg, expected) > 0, 60, "the first half of prefill's write")
         result["landed_at_abort"] = landed(pool, cfg, expected)
+    if cfg["abort"]:
         receiver.abort()  # the scheduler's abort of a transfer-queue request (scheduler.py ~5780)
         result["abort_notified"] = receiver.abort_notified
+    elif cfg.get("kill_prefill"):
+        os.kill(cfg["kill_prefill"], signal.SIGKILL)  # a lost prefill, its write in flight
     answers, unreleased_after_release, in_node_after_release = [], None, None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if decode_req.kv_receiver is not None and decode_req.kv_receiver.poll() == KVPoll.Failed:
+            if not answers:
+                result.update(failed_after_s=time.monotonic() - queued_at,
+                              landed_at_failure=landed(pool, cfg, expected))
             answers.append(manager.is_abort_release_safe(room, 1))  # sglang's question, each step
         if step(side):
             unreleased_after_release = manager.unreleased_receivers
@@ -185,6 +202,7 @@ def run(cfg: dict, server_args, group, warnings: Warnings) -> dict:
         released=released, held=side.held, landed_at_end=landed(pool, cfg, expected),
         answers_false=answers.count(False), answers_true=answers.count(True),
         last_answer=answers[-1] if answers else None, new_owner_intact=new_owner_intact(side),
+        notified=receiver.abort_notified, pairs=len(pd_rank.views(pool)) * len(cfg["dst_pages"]),
         forced_releases=manager.forced_releases, unreleased_after_release=unreleased_after_release,
         in_node_after_release=in_node_after_release, unreleased_at_end=manager.unreleased_receivers,
         in_node_at_end=room in node._receivers, pending=queue.num_pending_deferred_releases(),

@@ -11,8 +11,10 @@ both engines (the registration, the bootstrap server, the parallel-info refusal)
   the foreign decode and says which side lacks the plugin, within 10 s too;
 - dsa-bridge's decode against sglang's own prefill: refused from the prefill's parallel info
   (``kv_layout``), the request failed within 10 s, naming ``SGLANG_PLUGINS=dsa_bridge`` on the
-  prefill. sglang's own prefill hears nothing from it: its request stays Bootstrapping (until
-  sglang's bootstrap timeout; docs/sglang.md).
+  prefill; and sglang's own prefill is told in its own protocol (sglang's ABORT to its rank
+  port): its request fails within 10 s too, as sglang's prefill fails a request its decode
+  aborted, in its own words (the ABORT carries no reason: dsa-bridge's decode logs it, naming
+  the prefill's missing plugin).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def run_mixed(engine: str, bridge_side: str, logs) -> tuple[dict, dict]:
     to files in ``logs`` (never a pipe left unread); both always stopped."""
     require_engine(engine)
     cfg = {"engine": engine, "port": free_port(), "room": 2**62 + 12345, "pages": 8,
-           "done": str(logs / "done"), **MODELS["deepseek-v3.2"]}
+           "done": str(logs / "done"), "prefill_done": str(logs / "prefill_done"),
+           **MODELS["deepseek-v3.2"]}
     base = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
     base.update(SGLANG_HOST_IP="127.0.0.1", MC_LOG_LEVEL="ERROR")
     procs, files = [], []
@@ -58,7 +61,8 @@ def run_mixed(engine: str, bridge_side: str, logs) -> tuple[dict, dict]:
         assert [proc.returncode for proc in procs] == [0, 0], errors
         results = [json.loads(next(ln for ln in (logs / f"{role}.out").read_text().splitlines()
                                    if ln.startswith("RESULT "))[7:]) for role in ("prefill", "decode")]
-        return results[0], {**results[1], "prefill_log": (logs / "prefill.err").read_text()}
+        return results[0], {**results[1], "prefill_log": (logs / "prefill.err").read_text(),
+                            "decode_log": (logs / "decode.err").read_text()}
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -89,5 +93,22 @@ def test_dsa_bridge_decode_against_sglang_prefill_fails_fast_and_says_why(engine
     assert decode["poll"] == 0 and decode["elapsed_s"] < FAST_S
     assert "registered kv_layout None, not dsa-bridge's" in decode["reason"]
     assert "set SGLANG_PLUGINS=dsa_bridge on the prefill too" in decode["reason"]
-    assert not decode["initialised"]  # refused from the parallel info: nothing sent to the prefill
-    assert prefill["poll"] == 1  # sglang's own prefill was never told: still Bootstrapping
+    assert not decode["initialised"]  # refused from the parallel info: never paired
+    # sglang's own prefill is told with sglang's ABORT: its request fails at once
+    assert prefill["poll"] == 0 and prefill["failed_at"] - decode["t0"] < FAST_S
+    # sglang's ABORT carries no reason: sglang's prefill fails the request in its own words...
+    assert prefill["reason"].endswith("Failed due to an unknown reason from another rank")
+    assert decode["aborts_sent"] >= 1
+    # ...and dsa-bridge's decode logs why, once per prefill
+    assert "told sglang's own prefill at 127.0.0.1" in decode["decode_log"]
+    assert "set SGLANG_PLUGINS=dsa_bridge on the prefill too" in decode["decode_log"]
+
+
+def test_sglangs_own_parser_reads_the_abort_as_a_room_without_an_ack_asked():
+    from sglang.srt.disaggregation.common.conn import AbortNotification
+
+    from dsa_bridge.plugin.sglang.mixed import abort_frames
+
+    notification = AbortNotification.from_zmq(abort_frames(2**62 + 12345))
+    assert notification == AbortNotification(room=2**62 + 12345)
+    assert notification.deferred_ack_target() is None  # sglang's prefill sends no ABORT_ACK

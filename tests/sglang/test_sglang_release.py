@@ -11,6 +11,12 @@ transfer queue over dsa-bridge's manager) that aborts the request while that wri
 - deferral on (sglang's default): sglang holds the pages, ``is_abort_release_safe`` answering
   False until prefill's write is over, then True; released with the write whole, and the pages'
   new owner's bytes stay intact; nothing forced, the request gone from the node;
+- the same when sglang's waiting timeout (``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``, 3 s on
+  decode, that write held 6 s) fails the request instead, mid-write: sglang's transfer queue
+  notifies and holds the pages itself (a failure decode did not initiate);
+- and when the prefill is lost mid-write (its process killed by decode, in a process pair of its
+  own): the request fails once decode finds the prefill silent, the pages held until it is
+  proven gone, then released with nothing more landed, the new owner's bytes intact;
 - sglang's deadline shorter than the write: sglang releases the pages anyway; the release is
   counted (``forced_releases``) and logged, and the request leaves the node once its fence lifts;
 - deferral turned off: said once at start-up, the release at once counted as forced;
@@ -20,10 +26,16 @@ transfer queue over dsa-bridge's manager) that aborts the request while that wri
 
 from __future__ import annotations
 
+import json
+import signal
+import tempfile
+
 import pytest
 
+from tests.conftest import require_engine
+
 from .conftest import SGLANG_MISSING
-from .test_sglang_conn import config, free_port, run_ranks, scenarios_per_engine
+from .test_sglang_conn import config, free_port, run_ranks, scenarios_per_engine, start_rank
 
 if SGLANG_MISSING:
     pytest.skip(SGLANG_MISSING, allow_module_level=True)
@@ -32,8 +44,12 @@ MODEL = {"layers": 4, "model_layers": 4, "kv_cache_dim": 656}
 ENGINES = ["mooncake", "nixl"]
 DELAY_MS = 3000  # prefill's pause between the two halves of every write
 HOLD = {"DSA_BRIDGE_FAULT_WRITE_DELAY_MS": str(DELAY_MS)}
+WAITING_S = 3  # decode's SGLANG_DISAGGREGATION_WAITING_TIMEOUT in "timeout", mid-way through...
+LONG_HOLD = {"DSA_BRIDGE_FAULT_WRITE_DELAY_MS": str(2 * WAITING_S * 1000)}  # ...this write's pause
 SCENARIOS = {  # name: (decode's deferral env, abort mid-write, prefill fault, extra)
     "held": (("true", "30"), True, HOLD, {"write_window_s": 2.0}),
+    "timeout": (("true", "30"), False, LONG_HOLD,
+                {"waiting_timeout": WAITING_S, "write_window_s": 2.0}),
     "forced": (("true", "0.3"), True, HOLD, {"write_window_s": DELAY_MS / 1000 + 2}),
     "off": (("false", "30"), True, HOLD, {"write_window_s": DELAY_MS / 1000 + 2}),
     "checksum-ok": (("true", "30"), False, None, {"checksum": True, "success": True}),
@@ -70,6 +86,76 @@ def test_pages_held_until_the_fence_lifts_then_released_whole(releases, engine):
     assert decode["unreleased_after_release"] == 0 and not decode["in_node_after_release"]
     assert "aborted by sglang" in decode["finished"] and decode["status"] == 500
     assert decode["pending"] == 0 and prefill["poll"] == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_waiting_timeout_mid_write_holds_the_pages_until_the_write_is_over(releases, engine):
+    prefill, decode = releases(engine)["timeout"]
+    assert WAITING_S - 0.1 < decode["failed_after_s"] < 2 * WAITING_S  # sglang's bound, mid-write
+    assert f"SGLANG_DISAGGREGATION_WAITING_TIMEOUT={WAITING_S}s" in decode["finished"]
+    assert decode["status"] == 500
+    assert decode["notified"] and decode["held"] == 1  # sglang's queue armed its hold itself
+    assert decode["answers_false"] > 0 and decode["last_answer"] is True
+    (release,) = decode["released"]
+    assert release["fence"] is True
+    assert release["landed"] > decode["landed_at_failure"] > 0  # the held write landed while held
+    assert decode["new_owner_intact"] and decode["landed_at_end"] == 0
+    assert decode["forced_releases"] == 0 and decode["pending"] == 0
+    assert not decode["in_node_at_end"] and prefill["poll"] == 0  # told to stop
+
+
+@pytest.fixture(scope="module")
+def lost():
+    """engine -> the decode's result of a request whose prefill's process decode killed mid-write
+    (a process pair of its own: the prefill ends killed)."""
+    done = {}
+
+    def run(engine: str) -> dict:
+        if engine in done:
+            return done[engine]
+        require_engine(engine)
+        cfg = config(engine, MODEL, env=["true", "30"], abort=False, fault=HOLD,
+                     dist_port=free_port(), write_window_s=2.0)
+        files = [tempfile.TemporaryFile("w+") for _ in range(4)]
+        procs = []
+        try:
+            procs.append(start_rank("prefill", [cfg], stdout=files[0], stderr=files[1]))
+            procs.append(start_rank("release", [{**cfg, "kill_prefill": procs[0].pid}],
+                                    stdout=files[2], stderr=files[3]))
+            procs[1].wait(timeout=420)
+            procs[0].wait(timeout=30)
+            files[3].seek(0)
+            assert procs[1].returncode == 0, files[3].read()[-4000:]
+            assert procs[0].returncode == -signal.SIGKILL  # the prefill was lost, not finished
+            files[2].seek(0)
+            line = next(ln for ln in files[2].read().splitlines() if ln.startswith("RESULT "))
+            done[engine] = json.loads(line[len("RESULT "):])[0]
+            return done[engine]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            for f in files:
+                f.close()
+
+    return run
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_prefill_lost_mid_write_fails_the_request_and_its_pages_go_once_it_is_gone(lost, engine):
+    decode = lost(engine)
+    assert decode["landed_at_abort"] > 0  # killed with its write half landed
+    assert decode["failed_after_s"] < 20 and decode["status"] == 500
+    assert "unreachable (no heartbeat for 5.0s)" in decode["finished"]
+    assert decode["notified"] and decode["held"] == 1 and decode["last_answer"] is True
+    (release,) = decode["released"]
+    assert release["fence"] is True  # proven gone: no write of it can land
+    # what was on its way at the kill may land; the write's second half never comes
+    assert decode["landed_at_abort"] <= release["landed"] < decode["pairs"]
+    assert decode["new_owner_intact"] and decode["landed_at_end"] == 0
+    assert decode["forced_releases"] == 0 and decode["pending"] == 0
+    assert not decode["in_node_at_end"]
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -39,12 +39,10 @@ import ctypes
 import gc
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
-import msgspec
 import numpy as np
 import zmq
 
@@ -54,6 +52,7 @@ from ..backends import create_backend
 from ..handshake import pair_with_peer, transfer_set
 from ..plan import plan_writes
 from ..prefill import PrefillNode
+from .channel import Driven, serve_commands
 
 PAGE = 64
 COMMAND_TIMEOUT_S = 180.0
@@ -186,94 +185,26 @@ class _PrefillServer:
 
 def serve(control: str) -> int:
     """The child's command loop; it ends on ``quit``, when its parent is gone, or when idle."""
-    commands = {"setup": "setup", "peer": "set_peer", "send": "send", "stats": "stats", "raw": "raw",
-                "idle_gap": "idle_gap", "teardown": "teardown"}
     server = _PrefillServer()
-    parent = os.getppid()
-    context = zmq.Context()
-    sock = context.socket(zmq.PAIR)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(control)
+    commands = {"setup": server.setup, "peer": server.set_peer, "send": server.send,
+                "stats": server.stats, "raw": server.raw, "idle_gap": server.idle_gap,
+                "teardown": server.teardown}
     try:
-        sock.send(msgspec.msgpack.encode({"ok": True, "pid": os.getpid()}))
-        idle_since = time.monotonic()
-        while True:
-            if not sock.poll(1000):
-                if os.getppid() != parent or time.monotonic() - idle_since > IDLE_EXIT_S:
-                    return 1
-                continue
-            command = msgspec.msgpack.decode(sock.recv())
-            op = command.pop("op", "")
-            if op == "quit":
-                sock.send(msgspec.msgpack.encode({"ok": True}))
-                return 0
-            try:
-                if op not in commands:
-                    raise ValueError(f"unknown command {op!r}")
-                reply = {"ok": True, **getattr(server, commands[op])(**command)}
-            except Exception as exc:  # reported to the bench process, which raises it
-                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            sock.send(msgspec.msgpack.encode(reply))
-            idle_since = time.monotonic()
+        return serve_commands(control, commands, idle_exit_s=IDLE_EXIT_S)
     finally:
         server.close()
-        sock.close(0)
-        context.term()
 
 
-class PrefillChild:
-    """The child process and its command channel; ``stop`` ends it by PID, whatever happened."""
-
-    def __init__(self) -> None:
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.PAIR)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SNDTIMEO, int(COMMAND_TIMEOUT_S * 1000))
-        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "dsa_bridge.transfer.bench.child", "--control",
-             f"tcp://127.0.0.1:{port}"], stdout=sys.stderr, stdin=subprocess.DEVNULL)
-        try:
-            self._receive("start", time.monotonic() + START_TIMEOUT_S)
-        except BaseException:
-            self.stop()
-            raise
-
-    def call(self, op: str, **fields: object) -> dict:
-        try:
-            self._socket.send(msgspec.msgpack.encode({"op": op, **fields}))
-        except zmq.Again:
-            raise RuntimeError(f"bench prefill did not take the {op} command") from None
-        return self._receive(op, time.monotonic() + COMMAND_TIMEOUT_S)
-
-    def _receive(self, op: str, deadline: float) -> dict:
-        while not self._socket.poll(100):
-            if self.process.poll() is not None:
-                raise RuntimeError(f"bench prefill exited with code {self.process.returncode} "
-                                   f"during {op}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"bench prefill did not answer {op} in time")
-        reply = msgspec.msgpack.decode(self._socket.recv())
-        if not reply["ok"]:
-            raise RuntimeError(f"bench prefill: {op} failed: {reply['error']}")
-        return reply
-
-    def stop(self) -> None:
-        try:
-            if self.process.poll() is None:
-                try:
-                    self._socket.send(msgspec.msgpack.encode({"op": "quit"}), zmq.NOBLOCK)
-                    self.process.wait(20)
-                except (zmq.ZMQError, subprocess.TimeoutExpired):
-                    self.process.terminate()
-                    try:
-                        self.process.wait(10)
-                    except subprocess.TimeoutExpired:
-                        self.process.kill()
-                        self.process.wait(10)
-        finally:
-            self._socket.close(0)
-            self._context.term()
+def start_child() -> Driven:
+    """The prefill child, started and answering."""
+    child = Driven("prefill", "dsa_bridge.transfer.bench.child", [],
+                   start_timeout_s=START_TIMEOUT_S, command_timeout_s=COMMAND_TIMEOUT_S)
+    try:
+        child.reply()  # it started
+    except BaseException:
+        child.stop()
+        raise
+    return child
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,12 +38,13 @@ from ..launcher.page_allocator import PageAllocator
 from ..plan import pair_buffers, plan_writes
 from ..request import TERMINAL, KVPoll
 from ..staging import ROUTES, slice_groups
+from .channel import Driven
 from .child import (
     COMMAND_TIMEOUT_S,
     PAGE,
     WRITE_TIMEOUT_S,
     Geometry,
-    PrefillChild,
+    start_child,
     trim_heap,
 )
 from .sizes import Sizes
@@ -112,7 +113,7 @@ class Transfer:
 class TransferSession:
     """One geometry on one backend: the child's PrefillNode and this process's DecodeNode."""
 
-    def __init__(self, child: PrefillChild, backend: str, geometry: Geometry) -> None:
+    def __init__(self, child: Driven, backend: str, geometry: Geometry) -> None:
         self.child, self.geometry = child, geometry
         reply = child.call("setup", backend=backend, geometry=vars(geometry))
         self.transport = reply["transport"]
@@ -362,7 +363,7 @@ def run_transfers(sizes: Sizes, backends: list[str], indexer_layout: str = "unif
                   ) -> tuple[list[dict], dict[str, str]]:
     """Every transfer point on every backend: rows, and the transport each backend used."""
     rows, transports = [], {}
-    child = PrefillChild()
+    child = start_child()
     try:
         for backend in backends:
             for geometry, points in transfer_jobs(sizes, indexer_layout):
@@ -373,7 +374,7 @@ def run_transfers(sizes: Sizes, backends: list[str], indexer_layout: str = "unif
     return rows, transports
 
 
-def measure_geometry(child: PrefillChild, backend: str, geometry: Geometry, points: list,
+def measure_geometry(child: Driven, backend: str, geometry: Geometry, points: list,
                      repeat: int, rows: list[dict]) -> str:
     """The points of one geometry, appended to ``rows``; returns the transport. Its pools and
     memcpy buffers are gone when it returns, before the next geometry allocates its own."""

@@ -30,10 +30,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
+
+from .channel import Driven
 
 PAGE = 64  # tokens a page, the ranks' sglang --page-size
 CONNECTORS = ("sglang", "dsa-bridge")
@@ -135,71 +136,12 @@ def summarize(waves: list[dict]) -> dict:
     return modes
 
 
-class RankProcess:
-    """One rank's process and its ZMQ PAIR command channel: ``submit`` a command, later take its
-    ``reply``, so that prefill and decode work at once; ``stop`` ends it by PID."""
-
-    def __init__(self, connector: str, role: str) -> None:
-        import zmq
-
-        self.name = f"{connector} {role}"
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.PAIR)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
-        env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "dsa_bridge.transfer.bench.sglang_rank", "--control",
-             f"tcp://127.0.0.1:{port}", "--role", role],
-            env={**env, **RANK_ENV, **CONNECTOR_ENV[connector]}, stdout=sys.stderr,
-            stdin=subprocess.DEVNULL)
-        self._pending: str | None = "start"
-
-    def submit(self, op: str, **fields: object) -> None:
-        import msgspec
-
-        if self._pending is not None:  # the answer to the last command (or the start)
-            self.reply()
-        self._socket.send(msgspec.msgpack.encode({"op": op, **fields}))
-        self._pending = op
-
-    def reply(self, op: str | None = None) -> dict:
-        import msgspec
-
-        op = op or self._pending
-        timeout = START_TIMEOUT_S if op == "start" else COMMAND_TIMEOUT_S
-        deadline = time.monotonic() + timeout
-        while not self._socket.poll(100):
-            if self.process.poll() is not None:
-                raise RuntimeError(f"bench {self.name} exited with code "
-                                   f"{self.process.returncode} during {op}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"bench {self.name} did not answer {op} in {timeout:.0f} s")
-        self._pending = None
-        reply = msgspec.msgpack.decode(self._socket.recv())
-        if not reply["ok"]:
-            raise RuntimeError(f"bench {self.name}: {op} failed: {reply['error']}")
-        return reply
-
-    def call(self, op: str, **fields: object) -> dict:
-        self.submit(op, **fields)
-        return self.reply()
-
-    def stop(self) -> None:
-        import msgspec
-        import zmq
-
-        try:
-            if self.process.poll() is None:
-                try:
-                    self._socket.send(msgspec.msgpack.encode({"op": "quit"}), zmq.NOBLOCK)
-                    self.process.wait(20)
-                except (zmq.ZMQError, subprocess.TimeoutExpired):
-                    self.process.kill()
-                    self.process.wait(10)
-        finally:
-            self._socket.close(0)
-            self._context.term()
+def rank_process(connector: str, role: str) -> Driven:
+    """One rank's process (``sglang_rank``), started with its connector's environment."""
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
+    return Driven(f"{connector} {role}", "dsa_bridge.transfer.bench.sglang_rank", ["--role", role],
+                  env={**env, **RANK_ENV, **CONNECTOR_ENV[connector]},
+                  start_timeout_s=START_TIMEOUT_S, command_timeout_s=COMMAND_TIMEOUT_S)
 
 
 def free_port() -> int:
@@ -215,9 +157,9 @@ class ConnectorPair:
 
     def __init__(self, connector: str) -> None:
         self.connector = connector
-        self.prefill = RankProcess(connector, "prefill")
+        self.prefill = rank_process(connector, "prefill")
         try:
-            self.decode = RankProcess(connector, "decode")
+            self.decode = rank_process(connector, "decode")
         except BaseException:
             self.prefill.stop()
             raise

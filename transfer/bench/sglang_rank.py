@@ -37,16 +37,14 @@ import importlib.util
 import os
 import sys
 import time
-import traceback
 import types
 import zlib
 from types import SimpleNamespace
 
-import msgspec
 import numpy as np
 import torch
-import zmq
 
+from .channel import serve_commands
 from .sglang_pd import PAGE
 
 SENTINEL = 0xA5
@@ -308,37 +306,11 @@ class Rank:
 def serve(control: str, role: str) -> int:
     """The rank's command loop; it ends on ``quit`` or when its parent is gone."""
     rank = Rank(role)
-    commands = {"setup": rank.setup, "prepare": rank.prepare, "go": rank.go, "wait": rank.wait,
-                "verify": rank.verify}
-    parent = os.getppid()
-    context = zmq.Context()
-    sock = context.socket(zmq.PAIR)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(control)
     try:
-        sock.send(msgspec.msgpack.encode({"ok": True, "pid": os.getpid()}))
-        while True:
-            if not sock.poll(1000):
-                if os.getppid() != parent:
-                    return 1
-                continue
-            command = msgspec.msgpack.decode(sock.recv())
-            op = command.pop("op", "")
-            if op == "quit":
-                sock.send(msgspec.msgpack.encode({"ok": True}))
-                return 0
-            try:
-                if op not in commands:
-                    raise ValueError(f"unknown command {op!r}")
-                reply = {"ok": True, **commands[op](**command)}
-            except Exception as exc:  # reported to the bench process, which raises it
-                traceback.print_exc()
-                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            sock.send(msgspec.msgpack.encode(reply))
+        return serve_commands(control, {"setup": rank.setup, "prepare": rank.prepare,
+                                        "go": rank.go, "wait": rank.wait, "verify": rank.verify})
     finally:
         rank.close()
-        sock.close(0)
-        context.term()
 
 
 def main(argv: list[str] | None = None) -> int:

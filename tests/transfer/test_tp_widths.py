@@ -133,6 +133,37 @@ def test_decode_ranks_that_disagree_fail_the_request(engine, made):
     assert first.poll() == KVPoll.Failed
 
 
+@pytest.mark.parametrize("gives_up_first", [False, True])
+def test_a_rank_giving_up_before_its_pages_fails_the_request_on_the_other(engine, made,
+                                                                           gives_up_first):
+    prefill = prefill_node(engine, made)
+    decodes = [decode_node(engine, made, [prefill]) for _ in range(2)]
+    sender = prefill.sender(8)
+    announced, gave_up = (d.receiver(8) for d in decodes)
+    if not gives_up_first:
+        announced.init([2, 3], num_tokens=2 * PAGE, copies=2)
+    gave_up.abort("decode refused: no room in its pool")  # before its pages: Abort(before_pages)
+    if gives_up_first:  # the other rank's pages arrive after prefill failed the request
+        wait_for(lambda: sender.poll() == KVPoll.Failed, 10, "the sender failed")
+        announced.init([2, 3], num_tokens=2 * PAGE, copies=2)
+    ended(sender, announced)
+    assert "no room in its pool" in str(sender.failure_exception())
+    assert "no room in its pool" in str(announced.failure_exception())
+
+
+def test_every_ranks_page_count_is_checked_against_an_early_init(engine, made):
+    prefill = prefill_node(engine, made)
+    decodes = [decode_node(engine, made, [prefill]) for _ in range(2)]
+    sender = prefill.sender(9)
+    sender.init(3)  # before any decode rank announced
+    first, second = (d.receiver(9) for d in decodes)
+    first.init([2, 3], num_tokens=2 * PAGE, copies=2)  # two pages where prefill has three
+    second.init([4, 5, 6], num_tokens=3 * PAGE, copies=2)
+    ended(sender, first, second)
+    assert "prefill has 3 pages, decode allocated 2" in str(sender.failure_exception())
+    assert first.poll() == second.poll() == KVPoll.Failed
+
+
 def test_a_rank_dropped_mid_request_fails_it_on_the_other(engine, made):
     prefill = prefill_node(engine, made)
     decodes = [decode_node(engine, made, [prefill]) for _ in range(2)]

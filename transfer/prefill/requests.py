@@ -210,22 +210,26 @@ class RequestBook:
                                                       time.monotonic(), aux,
                                                       request.prefix_tokens))
         peer.rooms.add(room)
+        sender = self.senders.get(room)
+        if sender is not None and sender.state.status == KVPoll.Failed:  # before these pages
+            if sender.reported:  # to the decode nodes that had announced: this one too
+                self._reporter.refuse(peer, room, sender.state.reason, tell=tell)
+            else:
+                self._reporter.report_failure_locked(sender, in_flight=False)
+            return
         if not destinations.complete:
             return
-        sender = self.senders.get(room)
         if sender is None:
             self._incoming.put(IncomingRequest(room, dst.size, request.num_tokens, peer.node,
                                                request.prefix_tokens))
             return
         sender.decode_prefix_tokens = request.prefix_tokens
-        if sender.state.status == KVPoll.Failed:  # failed before decode's pages arrived
-            self._reporter.report_failure_locked(sender, in_flight=False)
-            return
         sender.state.advance(KVPoll.WaitingForInput, time.monotonic())
-        if (sender.num_pages is not None and not destinations.nothing_to_send
-                and sender.num_pages != dst.size):
-            self._reporter.fail_locked(sender, _page_count_mismatch(sender.num_pages, dst.size))
-            return
+        for destination in destinations.to_write() if sender.num_pages is not None else []:
+            if destination.dst_pages.size != sender.num_pages:
+                self._reporter.fail_locked(sender, _page_count_mismatch(
+                    sender.num_pages, destination.dst_pages.size))
+                return
         self._dispatch_locked(sender)
 
     def _duplicate_locked(self, peer: DecodePeer, room: int, *, tell: bool) -> None:
@@ -245,13 +249,16 @@ class RequestBook:
 
     def aborted_locked(self, peer: DecodePeer, abort: protocol.Abort) -> None:
         destinations = self.destinations.get(abort.room)
-        if destinations is not None and destinations.of(peer) is None:
+        member = destinations is not None and destinations.of(peer) is not None
+        if abort.before_pages and not member and (destinations is None
+                                                  or not destinations.complete):
+            # nothing to answer (no page was asked of it); the request cannot be served
+            self._decode_gave_up_locked(abort.room, f"aborted by decode: {abort.reason}")
+            return
+        if destinations is not None and not member:
             raise protocol.ProtocolError(f"abort of room {abort.room}, which another decode "
                                          f"node announced")
         sender = self.senders.get(abort.room)
-        if abort.before_pages and destinations is None:  # nothing to answer: no page was asked
-            self._decode_gave_up_locked(abort.room, f"aborted by decode: {abort.reason}")
-            return
         if destinations is None:
             self._reporter.refuse(peer, abort.room, f"aborted by decode: {abort.reason}")
             return

@@ -212,7 +212,8 @@ RANK_MODULES = {"prealloc": "tests.sglang.prealloc_rank", "release": "tests.sgla
                 "restart": "tests.sglang.restart_rank", "tp-prefill": "tests.sglang.tp_rank",
                 "tp-decode": "tests.sglang.tp_rank", "early-prefill": "tests.sglang.tp_rank",
                 "width-prefill": "tests.sglang.width_rank", "width-decode": "tests.sglang.width_rank",
-                "saver-prefill": "tests.sglang.saver_rank", "saver-decode": "tests.sglang.saver_rank"}
+                "saver-prefill": "tests.sglang.saver_rank", "saver-decode": "tests.sglang.saver_rank",
+                "queue-prefill": "tests.sglang.queue_rank", "queue-decode": "tests.sglang.queue_rank"}
 RANK_ENV = {"SGLANG_PLUGINS": "dsa_bridge", "SGLANG_HOST_IP": "127.0.0.1", "MC_LOG_LEVEL": "ERROR",
             "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"}
 

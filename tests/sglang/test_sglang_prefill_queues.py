@@ -1,0 +1,144 @@
+"""dsa-bridge's KVSender driven by sglang 0.5.23's own prefill queues (``queue_rank.py``), against
+the real sglang on the CPU, prefill and decode each its own process, both engines:
+
+- a real ``PrefillBootstrapQueue``: ``add`` makes dsa-bridge's sender, ``pop_bootstrapped`` polls
+  it over gloo until decode's pages arrive and ``init``\\s it with the request's page count and
+  metadata slot; sglang's own ``send_kv_chunk`` sends a first chunk (its whole pages) and the
+  last one (the rest, sglang's ``set_buf`` aux slot and DSA state indices), and sglang's own
+  ``process_disagg_prefill_inflight_queue`` polls it until the request leaves Success, releasing
+  its pages, row and metadata slot through sglang's allocators: byte-exact on KV, indexer and
+  aux at decode (the aux slot as sglang's decode reads it: the first token, the room);
+- the client aborts the request at decode while prefill's request waits in sglang's bootstrap
+  queue: ``pop_bootstrapped`` sees Failed and sglang's own ``handle_bootstrap_failure`` aborts
+  it with dsa-bridge's reason, streams it, and holds nothing;
+- the client aborts the request at prefill while it waits in sglang's bootstrap queue (the
+  scheduler's ``disagg_kv_sender.abort()``): sglang's ``handle_bootstrap_failure`` again, and
+  decode's request, whose pages come later, fails at once with the reason;
+- optimistic prefill (``--optimistic-prefill-attempts``): the request prefilled before decode's
+  pages arrive, parked in sglang's inflight queue, then sent whole: byte-exact.
+
+Stand-ins that remain (no GPU, no model): the queue and scheduler are built without their
+constructors (``object.__new__``, the attributes their ``__init__`` sets: the constructors need
+a model runner and a GPU); the forward (``queue_rank.forward``: the request's row and pages from
+sglang's own ``alloc_req_slots`` and paged allocator, as ``alloc_for_extend`` gives them for a
+``ScheduleBatch``, then the pool written); of ``process_batch_result_disagg_prefill`` only its
+transfer steps (the first token, ``checkpoint_disagg_prefill``, the inflight queue, the last
+``send_kv_chunk``); the output streamer records what sglang streams; the radix cache is sglang's
+own, disabled.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+import pytest
+
+from .conftest import SGLANG_MISSING
+from .test_sglang_conn import config, run_ranks, scenarios_per_engine
+
+if SGLANG_MISSING:
+    pytest.skip(SGLANG_MISSING, allow_module_level=True)
+
+MODEL = {"layers": 4, "model_layers": 4, "kv_cache_dim": 656}
+ENGINES = ["mooncake", "nixl"]
+SCENARIOS = {  # decode's abort first: its prealloc queue sets up the process's gloo world
+    "decode-abort": {"abort_after_s": 1.0, "linger_s": 3.0},
+    "prefill-abort": {"prefill_abort_after_s": 0.5, "metadata_after_s": 2.0, "linger_s": 5.0},
+    "transfer": {},
+    "optimistic": {"optimistic_attempts": 1, "metadata_after_s": 1.0},
+}
+SRC_PAGES = [3, 4, 5, 6, 7]  # sglang's paged allocator, after another request's pages 1-2
+
+
+def unassigned_port() -> int:
+    """A free port below the kernel's ephemeral range: unlike a free ephemeral port, none of an
+    earlier scenario's sockets (gloo, the engines, HTTP clients) can take it meanwhile."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.randrange(low // 2, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+
+
+@pytest.fixture(scope="module")
+def queues():
+    """engine -> {scenario: (prefill result, decode result)}, one process pair per engine."""
+
+    def run(engine: str):
+        cfgs = [config(engine, MODEL, scenario=name, src_pages=SRC_PAGES, port=unassigned_port(),
+                       dist_port=unassigned_port(), bootstrap_wait_s=120, **extra)
+                for name, extra in SCENARIOS.items()]
+        decode_cfgs = [{**cfg, "dist_port": unassigned_port()} for cfg in cfgs]
+        prefill, decode = run_ranks([("queue-prefill", cfgs), ("queue-decode", decode_cfgs)])
+        return prefill, decode
+
+    return scenarios_per_engine(run, SCENARIOS)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_sglang_prefill_queues_move_a_request_byte_exact(queues, engine):
+    prefill, decode = queues(engine)["transfer"]
+    assert (prefill["manager"], prefill["sender"]) == ("DSABridgeKVManager", "DSABridgeKVSender")
+    # the bootstrap queue: held while decode had not sent its pages, then popped and init'ed
+    assert prefill["in_bootstrap_queue"] == 1 and prefill["bootstrapping_steps"] > 0
+    assert prefill["left_bootstrap_queue"] and prefill["popped"] == 1
+    assert prefill["metadata_slot"] == 3 and prefill["start_send_idx"] == 0
+    assert prefill["pages"] == SRC_PAGES
+    assert prefill["start_send_idx_after_chunk"] == 128  # the first chunk's whole pages
+    # the inflight queue: left with Success, everything the request held given back
+    assert prefill["done"] == prefill["streamed"] == [f"queued-{2**62 + 12345}"]
+    assert prefill["inflight"] == 0 and prefill["poll"] == 4 and prefill["finished"] == "FINISH_LENGTH"
+    assert prefill["pages_released"] and prefill["slot_released"] and prefill["row_released"]
+    assert prefill["pending_chunks"] == []
+    # decode: byte-exact
+    assert decode["poll"] == 4 and "reason" not in decode
+    assert decode["mismatched"] == [] and decode["others_sentinel"]
+    assert decode["aux_exact"] and decode["aux_others_sentinel"]
+    assert decode["first_token"] == 4242 and decode["room"] == 2**62 + 12345
+    page_bytes = 64 * (656 + 132)
+    assert decode["nbytes"] == prefill["bytes"] == len(SRC_PAGES) * page_bytes * 4 + decode["aux_bytes"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_decode_abort_fails_the_request_in_sglangs_bootstrap_queue(queues, engine):
+    prefill, decode = queues(engine)["decode-abort"]
+    assert decode["notified"] and decode["removed"] == ["aborted"]
+    assert prefill["bootstrapping_steps"] > 0 and prefill["left_bootstrap_queue"]
+    assert prefill["popped"] == 0 and prefill["poll_after_bootstrap"] == 0
+    assert "Prefill bootstrap failed" in prefill["finished"]
+    assert "aborted by sglang" in prefill["finished"]
+    assert prefill["status"] == 500 and prefill["streamed"] == [f"queued-{2**62 + 12345}"]
+    assert prefill["slots_free"] and prefill["pages_free"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_optimistic_prefill_parks_until_decode_pages_arrive_then_sends(queues, engine):
+    """``--optimistic-prefill-attempts 1``: ``pop_bootstrapped`` lets the request prefill while
+    its sender still bootstraps; sglang's ``check_bootstrap`` holds its first chunk, its inflight
+    queue parks it (``handle_pending_bootstrap``) until decode's pages arrive, then
+    ``finalize_bootstrap`` inits the sender and the whole request goes in one last chunk."""
+    prefill, decode = queues(engine)["optimistic"]
+    assert prefill["bootstrapping_steps"] == 0 and prefill["popped"] == 1
+    assert prefill["poll_after_bootstrap"] == 1  # popped while Bootstrapping
+    assert prefill["start_send_idx_after_chunk"] == 0  # the first chunk held back
+    assert prefill["parked_steps"] > 0
+    assert prefill["done"] == prefill["streamed"] and prefill["poll"] == 4
+    assert prefill["pages_released"] and prefill["slot_released"] and prefill["row_released"]
+    assert decode["poll"] == 4 and decode["mismatched"] == [] and decode["others_sentinel"]
+    assert decode["aux_exact"] and decode["aux_others_sentinel"]
+    assert decode["nbytes"] == prefill["bytes"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_prefill_abort_in_the_bootstrap_queue_fails_decode_with_the_reason(queues, engine):
+    prefill, decode = queues(engine)["prefill-abort"]
+    assert "Prefill bootstrap failed" in prefill["finished"] and "aborted by sglang" in prefill["finished"]
+    assert prefill["slots_free"] and prefill["pages_free"]
+    assert decode["poll"] == 0 and decode["reason"].endswith("aborted by sglang")
+    assert decode["ended_after_s"] < 10  # told, not waiting out its timeout

@@ -94,6 +94,8 @@ def run_decode(cfg: dict, server_args) -> dict:
     hold_until = start + cfg["decode_hold_s"]
     while time.monotonic() < hold_until and receiver.poll() != KVPoll.Failed:  # the prealloc queue
         time.sleep(0.01)
+    # sglang sends the pages only to a receiver past Bootstrapping (its node connected)
+    wait_for(lambda: receiver.poll() != KVPoll.Bootstrapping, END_S, "decode bootstrap")
     result = {"node_timeout_s": next(iter(manager.decode_nodes.values())).request_timeout_s}
     if receiver.poll() != KVPoll.Failed and not cfg.get("skip_metadata"):
         receiver.send_metadata(cfg["dst_pages"], cfg["dst_aux"], [cfg["dst_pages"]])

@@ -6,7 +6,8 @@ a ring of slices, registered with the node's other regions at start) and, for ea
 decode node offered (``protocol.StagingArea``, keyed by its engine peer and address), the ring of
 that area's slices as prefill allocates them. ``route`` decides a chunk's route when the writer
 plans it (``staging.choose_route``: its descriptor count and sizes, or the node's forced route;
-direct whenever either side has no staging, or one page of every buffer does not fit a slice).
+direct whenever either side has no staging, or one page of every buffer does not fit a slice: a
+forced staged route not taken is logged once per decode node).
 
 ``write`` sends one chunk on the staged route, in the writer lane's thread. For each group of its
 pages that fills a slice (``staging.slice_groups``): take a slice of this node's area, gather the
@@ -27,6 +28,7 @@ before any byte moves; the staged write uses only the page ids of that plan.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +44,7 @@ from ..plan import PairTable, WritePlan
 from ..slices import device_pages, gather, staging_for
 from ..staging import (
     DIRECT,
+    STAGED,
     SliceRing,
     StagingError,
     Thresholds,
@@ -54,6 +57,8 @@ from ..staging import (
 )
 from .checksums import ChunkChecksums
 from .records import DecodePeer
+
+log = logging.getLogger(__name__)
 
 Send = Callable[[protocol.Message, bytes], None]
 
@@ -84,6 +89,7 @@ class Stager:
         self._changed = threading.Condition()
         self._views: dict | None = None
         self._gathers = ThreadPoolExecutor(1, thread_name_prefix="stager-gather")
+        self._fell_back: set[str] = set()  # engine peers told of a forced route not taken
 
     def regions(self) -> list[BufferDescriptor]:
         """The staging area to register with the engine (none when staging is off)."""
@@ -92,13 +98,33 @@ class Stager:
         return [raw_region(self._area.data_ptr(), self.nbytes, str(self._area.device))]
 
     def route_for(self, peer: DecodePeer, plan: WritePlan) -> str:
-        """The route of a chunk planned as ``plan`` into ``peer``."""
+        """The route of a chunk planned as ``plan`` into ``peer``; a forced staged route that
+        cannot be taken is logged once per decode node (``_fall_back``)."""
         area = peer.staging
-        if self._area is None or area is None or self.route == DIRECT:
+        if self.route == DIRECT:
             return DIRECT
+        if self._area is None:
+            return self._fall_back(peer, "this node has no staging area (--staging-mib 0)")
+        if area is None:
+            return self._fall_back(peer, "it offered no staging area (its --staging-mib is 0)")
         if int(peer.pairs.item_len.sum()) > min(self.slice_bytes, area.slice_bytes):
-            return DIRECT
+            return self._fall_back(peer, f"one page of every buffer "
+                                   f"({int(peer.pairs.item_len.sum())} bytes) does not fit a "
+                                   f"staging slice ({min(self.slice_bytes, area.slice_bytes)} "
+                                   f"bytes; raise --staging-mib)")
         return choose_route(self.route, plan.descriptors, plan.nbytes, self.thresholds)
+
+    def _fall_back(self, peer: DecodePeer, why: str) -> str:
+        """The direct route, where the staged one cannot be taken: logged once per decode node
+        (its engine peer) when the staged route is forced."""
+        if self.route == STAGED:
+            with self._changed:
+                first = peer.engine_peer not in self._fell_back
+                self._fell_back.add(peer.engine_peer)
+            if first:
+                log.warning("route staged forced, but chunks to decode node %s go direct: %s",
+                            peer.node, why)
+        return DIRECT
 
     # ---- the writer lane's thread -----------------------------------------------------------
 

@@ -552,11 +552,11 @@ class DSABridgeKVManager(BaseKVManager):
     def _connected(self, key: tuple[str, int],
                    attempt: Future) -> tuple[DecodeNode, PrefillGroup]:
         """The outcome of a connection attempt: the node kept, or the failure given a backoff
-        (logged once per attempt) and raised."""
+        (logged once per attempt) and raised as a ``HandshakeError`` (whatever failed: an engine
+        refusing the registration, a lookup, the handshake; never out of sglang's queue)."""
         try:
             node, group = attempt.result()
-        except (HandshakeError, RuntimeError, ValueError, OSError,
-                requests.RequestException) as exc:
+        except Exception as exc:  # any failed attempt fails only its requests
             failure = self.node_failures.get(key)
             self.node_failures[key] = PeerBackoff.after(failure, str(exc), self.clock())
             log.warning("dsa-bridge: connecting to prefill %s (dp %d) failed (%d time(s), next "

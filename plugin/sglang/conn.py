@@ -291,15 +291,7 @@ class DSABridgeKVManager(BaseKVManager):
         live = list(self._live.values())
         for receiver in live:
             receiver._fail(reason)
-        for attempt in list(self._connecting.values()):  # a connection still being made ends first
-            if attempt.exception() is None:
-                attempt.result()[0].close()
-        for node in [*self.decode_nodes.values(), *self.retired_nodes]:
-            node.close()
-        self.decode_nodes.clear()
-        self.groups.clear()
-        self.retired_nodes.clear()
-        self._connecting.clear()
+        self._close_decode_nodes()
         self._live.clear()
         self._unreleased.clear()  # their pages leave with the memory: nothing can land there now
         self._registration.unregister(self._cache_regions())
@@ -326,6 +318,17 @@ class DSABridgeKVManager(BaseKVManager):
             self.node = self._prefill_node(f"{self.local_ip}:0")
             self.register_to_bootstrap()
         log.info("dsa-bridge: prefill rank %s resumed its cache", self.node.endpoint)
+
+    def _close_decode_nodes(self) -> None:
+        """Close every decode node: connected, retired, and made by an attempt still running
+        (which ends first)."""
+        made = [f.result()[0] for f in self._connecting.values() if f.exception() is None]
+        for node in [*self.decode_nodes.values(), *self.retired_nodes, *made]:
+            node.close()
+        self.decode_nodes.clear()
+        self.groups.clear()
+        self.retired_nodes.clear()
+        self._connecting.clear()
 
     def _cache_regions(self) -> list:
         return [*self.pool.buffer_descriptors(), *as_aux_buffers(self.bridge.aux_buffers)]
@@ -737,14 +740,9 @@ class DSABridgeKVManager(BaseKVManager):
             self.prefill_aborts.close()
         if self.node is not None:
             self.node.close()
-        if self._connector is not None:  # a connection still being made ends first
+        if self._connector is not None:
             self._connector.shutdown(wait=True)
-        made = [f.result()[0] for f in self._connecting.values() if f.exception() is None]
-        for node in [*self.decode_nodes.values(), *self.retired_nodes, *made]:
-            node.close()
-        self.decode_nodes.clear()
-        self.retired_nodes.clear()
-        self._connecting.clear()
+        self._close_decode_nodes()
         if self.engine is not None:
             self._registration.close()
             self.engine.close()

@@ -19,6 +19,7 @@ against the real sglang 0.5.23 on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -121,8 +122,7 @@ def probe(plugins: str | None, fallback: bool = False) -> dict:
     out = subprocess.run([sys.executable, "-c", f"FALLBACK = {fallback}\n" + PROBE], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
-    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
-    return {**json.loads(line[len("RESULT "):]), "log": out.stderr}
+    return {**result_of(out.stdout), "log": out.stderr}
 
 
 def test_get_kv_class_gives_dsa_bridge_classes_for_mooncake_and_nixl_and_falls_back_per_model():
@@ -234,8 +234,8 @@ def run_ranks(ranks: list[tuple[str, list[dict] | dict]], module: str | None = N
     process ended would fill and block a rank that logs while it waits); every process always
     stopped."""
     files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in ranks]
-    procs = []
-    try:
+    procs: list[subprocess.Popen] = []
+    with stopped_at_end(procs, [f for pair in files for f in pair]):
         for (role, cfgs), (out, err) in zip(ranks, files, strict=True):
             procs.append(start_rank(role, cfgs, module, env, stdout=out, stderr=err))
         results = []
@@ -244,17 +244,29 @@ def run_ranks(ranks: list[tuple[str, list[dict] | dict]], module: str | None = N
             err.seek(0)
             assert proc.returncode == 0, f"{role}:\n{err.read()[-4000:]}"
             out.seek(0)
-            line = next(ln for ln in out.read().splitlines() if ln.startswith("RESULT "))
-            results.append(json.loads(line[len("RESULT "):]))
+            results.append(result_of(out.read()))
         return results
+
+
+def result_of(output: str):
+    """The ``RESULT`` a rank script printed in ``output``."""
+    line = next(ln for ln in output.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+@contextlib.contextmanager
+def stopped_at_end(procs: list[subprocess.Popen], files: list):
+    """However the block ends: every process of ``procs`` still running killed (by its own
+    handle) and waited for, and every file of ``files`` closed."""
+    try:
+        yield
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        for out, err in files:
-            out.close()
-            err.close()
+        for f in files:
+            f.close()
 
 
 def scenarios_per_engine(run: Callable[[str], list[list[dict]]], scenarios) -> Callable[[str], dict]:

@@ -33,7 +33,7 @@ from .conftest import SGLANG_MISSING
 if SGLANG_MISSING:
     pytest.skip(SGLANG_MISSING, allow_module_level=True)
 
-from .test_sglang_conn import MODELS, ROOT, free_port  # noqa: E402
+from .test_sglang_conn import MODELS, ROOT, free_port, result_of, stopped_at_end  # noqa: E402
 
 FAST_S = 10.0
 
@@ -47,8 +47,9 @@ def run_mixed(engine: str, bridge_side: str, logs) -> tuple[dict, dict]:
            **MODELS["deepseek-v3.2"]}
     base = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
     base.update(SGLANG_HOST_IP="127.0.0.1", MC_LOG_LEVEL="ERROR")
-    procs, files = [], []
-    try:
+    procs: list = []
+    files: list = []
+    with stopped_at_end(procs, files):
         for role in ("prefill", "decode"):
             env = {**base, "SGLANG_PLUGINS": "dsa_bridge"} if role == bridge_side else base
             out, err = open(logs / f"{role}.out", "w+"), open(logs / f"{role}.err", "w+")
@@ -59,17 +60,9 @@ def run_mixed(engine: str, bridge_side: str, logs) -> tuple[dict, dict]:
             proc.wait(timeout=240)
         errors = {role: (logs / f"{role}.err").read_text()[-3000:] for role in ("prefill", "decode")}
         assert [proc.returncode for proc in procs] == [0, 0], errors
-        results = [json.loads(next(ln for ln in (logs / f"{role}.out").read_text().splitlines()
-                                   if ln.startswith("RESULT "))[7:]) for role in ("prefill", "decode")]
+        results = [result_of((logs / f"{role}.out").read_text()) for role in ("prefill", "decode")]
         return results[0], {**results[1], "prefill_log": (logs / "prefill.err").read_text(),
                             "decode_log": (logs / "decode.err").read_text()}
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for f in files:
-            f.close()
 
 
 @pytest.mark.parametrize("engine", ["mooncake"])

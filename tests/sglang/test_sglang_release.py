@@ -26,7 +26,6 @@ transfer queue over dsa-bridge's manager) that aborts the request while that wri
 
 from __future__ import annotations
 
-import json
 import signal
 import tempfile
 
@@ -35,7 +34,15 @@ import pytest
 from tests.conftest import require_engine
 
 from .conftest import SGLANG_MISSING
-from .test_sglang_conn import config, free_port, run_ranks, scenarios_per_engine, start_rank
+from .test_sglang_conn import (
+    config,
+    free_port,
+    result_of,
+    run_ranks,
+    scenarios_per_engine,
+    start_rank,
+    stopped_at_end,
+)
 
 if SGLANG_MISSING:
     pytest.skip(SGLANG_MISSING, allow_module_level=True)
@@ -117,8 +124,8 @@ def lost():
         cfg = config(engine, MODEL, env=["true", "30"], abort=False, fault=HOLD,
                      dist_port=free_port(), write_window_s=2.0)
         files = [tempfile.TemporaryFile("w+") for _ in range(4)]
-        procs = []
-        try:
+        procs: list = []
+        with stopped_at_end(procs, files):
             procs.append(start_rank("prefill", [cfg], stdout=files[0], stderr=files[1]))
             procs.append(start_rank("release", [{**cfg, "kill_prefill": procs[0].pid}],
                                     stdout=files[2], stderr=files[3]))
@@ -128,16 +135,8 @@ def lost():
             assert procs[1].returncode == 0, files[3].read()[-4000:]
             assert procs[0].returncode == -signal.SIGKILL  # the prefill was lost, not finished
             files[2].seek(0)
-            line = next(ln for ln in files[2].read().splitlines() if ln.startswith("RESULT "))
-            done[engine] = json.loads(line[len("RESULT "):])[0]
+            done[engine] = result_of(files[2].read())[0]
             return done[engine]
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-            for f in files:
-                f.close()
 
     return run
 

@@ -5,7 +5,8 @@ makes it), as a decode server outlives a prefill's restart. Before each request 
 that request's ``go_file`` (the test writes it once the request's prefill process registered),
 then makes the calls sglang's queues make (``try_ensure_parallel_info``, ``init``,
 ``send_metadata``, poll to the end, ``clear``), compares the bytes with what prefill wrote, and
-prints one ``RESULT [json, ...]`` line: each request's outcome, and the manager's nodes.
+prints ``FINISHED``; at the end one ``RESULT [json, ...]`` line: each request's outcome, and the
+manager's nodes.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def serve(configs: list[dict], server_args) -> list[dict]:
         result["nodes"] = len(manager.decode_nodes)
         result["retired"] = len(manager.retired_nodes)
         results.append(result)
+        print("FINISHED", flush=True)  # this request's end seen: its prefill may go now
     manager.shutdown()
     return results
 

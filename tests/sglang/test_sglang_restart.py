@@ -86,6 +86,7 @@ def test_a_killed_prefill_restarted_on_new_ports_is_served_without_restarting_de
         first.expect("READY", 180)  # registered: decode may ask for its request
         Path(cfgs[0]["go_file"]).touch()
         first.expect("SERVED", 120)
+        decode.expect("FINISHED", 120)  # its end reached decode (prefill's Success may not have)
         first.kill()  # SIGKILL: no goodbye, its bootstrap server gone too
         second = Rank("prefill", [cfgs[1]])  # the restart: same bootstrap port, new rank ports
         second.expect("READY", 180)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import time
 import urllib.request
@@ -23,6 +22,7 @@ from dsa_bridge.transfer.request import KVPoll
 from tests.faulty import DELAY_ENV, FLIP_ENV
 
 from ..conftest import require_engine
+from ..ports import free_port
 from ..transfer.helpers import wait_for
 from .processes import NODE_ENV, PrefillProcess, cli
 from .test_two_process import DEEPSEEK, POOL_TOKENS, decode_pool, run
@@ -63,12 +63,6 @@ def test_checksums_catch_a_byte_flipped_after_the_write(backend, tmp_path, monke
     finally:
         prefill.stop()
     assert "TEST-ONLY fault: flipped the byte" in Path(prefill.log.name).read_text()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

@@ -24,7 +24,6 @@ the machine's load).
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import time
 import urllib.request
@@ -43,6 +42,7 @@ from dsa_bridge.transfer.handshake import pool_buffers
 from dsa_bridge.transfer.launcher.drivers import count_mismatches, request_bytes
 from dsa_bridge.transfer.request import KVPoll
 
+from ..ports import free_port
 from ..transfer.helpers import wait_for
 from .helpers import DEEPSEEK, make_pool, settled
 from .netns import loopback_hosts
@@ -61,12 +61,6 @@ HEARTBEAT_S = 0.5  # both nodes' (the prefill's default; its command has no opti
 # margin for load. A control plane starved by the flood falls silent for the whole flood (>= 8 s).
 HEARD_WITHIN_S = PEER_TIMEOUT_S / 2
 MIB = 1024 * 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import requests
 import torch
 
 from tests.conftest import require_engine
+from tests.ports import free_port
 
 from .conftest import SGLANG_MISSING, published_context
 
@@ -200,12 +200,6 @@ def test_kv_args_dsa_bridge_cannot_describe_are_refused_by_name():
 
 
 # ---- prefill and decode in two processes -----------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # a rank's module by its role; any other role: pd_rank.py
 RANK_MODULES = {"prealloc": "tests.sglang.prealloc_rank", "release": "tests.sglang.release_rank",

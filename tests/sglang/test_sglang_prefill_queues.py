@@ -29,14 +29,10 @@ own, disabled.
 
 from __future__ import annotations
 
-import random
-import socket
-from pathlib import Path
-
 import pytest
 
 from .conftest import SGLANG_MISSING
-from .test_sglang_conn import config, run_ranks, scenarios_per_engine
+from .test_sglang_conn import config, free_port, run_ranks, scenarios_per_engine
 
 if SGLANG_MISSING:
     pytest.skip(SGLANG_MISSING, allow_module_level=True)
@@ -52,29 +48,15 @@ SCENARIOS = {  # decode's abort first: its prealloc queue sets up the process's 
 SRC_PAGES = [3, 4, 5, 6, 7]  # sglang's paged allocator, after another request's pages 1-2
 
 
-def unassigned_port() -> int:
-    """A free port below the kernel's ephemeral range: unlike a free ephemeral port, none of an
-    earlier scenario's sockets (gloo, the engines, HTTP clients) can take it meanwhile."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    while True:
-        port = random.randrange(low // 2, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-
-
 @pytest.fixture(scope="module")
 def queues():
     """engine -> {scenario: (prefill result, decode result)}, one process pair per engine."""
 
     def run(engine: str):
-        cfgs = [config(engine, MODEL, scenario=name, src_pages=SRC_PAGES, port=unassigned_port(),
-                       dist_port=unassigned_port(), bootstrap_wait_s=120, **extra)
+        cfgs = [config(engine, MODEL, scenario=name, src_pages=SRC_PAGES, port=free_port(),
+                       dist_port=free_port(), bootstrap_wait_s=120, **extra)
                 for name, extra in SCENARIOS.items()]
-        decode_cfgs = [{**cfg, "dist_port": unassigned_port()} for cfg in cfgs]
+        decode_cfgs = [{**cfg, "dist_port": free_port()} for cfg in cfgs]
         prefill, decode = run_ranks([("queue-prefill", cfgs), ("queue-decode", decode_cfgs)])
         return prefill, decode
 

@@ -9,6 +9,7 @@ prefill that could not be reached.
   to change (empty when it can);
 - ``tp_targets``: which prefill attention-TP ranks a decode rank reads from and tells it has
   nothing to send, and to how many decode ranks a prefill rank writes, for any two widths;
+- ``target_stages``: which prefill pipeline stages a decode stage reads from;
 - ``dp_route``: how a prefill request's DP rank reaches decode (registered, or computed from its
   room, or a conflict);
 - ``engine_options``: the engine's transport and devices, as sglang's own engine chooses them;
@@ -55,7 +56,7 @@ def bootstrap_host(serving_host: str, dist_init_addr: str | None) -> str:
 
 
 def pairing_problems(info: PrefillServerInfo, *, page_size: int, kv_cache_dtype: str | None,
-                     attn_tp_size: int) -> list[str]:
+                     attn_tp_size: int, pp_size: int = 1) -> list[str]:
     """Why this decode rank cannot pair with the prefill whose parallel info is ``info``, each
     reason naming the flag to change; empty when it can."""
     problems = []
@@ -77,6 +78,9 @@ def pairing_problems(info: PrefillServerInfo, *, page_size: int, kv_cache_dtype:
     if info.attn_cp_size != 1:
         problems.append(f"attention CP: prefill {info.attn_cp_size} (dsa-bridge serves "
                         "--attn-cp-size 1)")
+    if pp_size > 1 and info.pp_size != pp_size:
+        problems.append(f"pipeline stages: prefill {info.pp_size}, decode {pp_size} (a decode with "
+                        "pipeline stages needs the prefill's --pp-size; or give decode --pp-size 1)")
     return problems
 
 
@@ -116,6 +120,15 @@ def tp_targets(decode_tp_rank: int, decode_tp_size: int, prefill_tp_size: int) -
     group = prefill_tp_size // decode_tp_size
     first = decode_tp_rank * group
     return TPTargets(first, tuple(range(first + 1, first + group)))
+
+
+def target_stages(decode_pp_rank: int, decode_pp_size: int, prefill_pp_size: int) -> tuple[int, ...]:
+    """The prefill pipeline stages decode stage ``decode_pp_rank`` reads from, as sglang maps
+    them: a one-stage decode reads every stage (each writes its layers), a decode with the
+    prefill's stages reads its own (the same layers; ``pairing_problems`` refuses the rest)."""
+    if decode_pp_size == 1:
+        return tuple(range(prefill_pp_size))
+    return (decode_pp_rank,)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ a mixed deployment's refusal and detection in ``mixed.py``:
   decode's ranks each receive the whole request from one prefill rank (which writes it to each:
   ``copies``); a wider prefill's request is written by one of its ranks, and decode tells the
   others they have nothing to send (``nothing_to_send``), so their senders end with it. A
+  one-stage decode reads every prefill pipeline stage; a decode with the prefill's stages reads
+  its own stage's (``target_stages``; its first layer from its pool, ``stage_start_layer``). A
   prefill it cannot pair with (``pairing_problems``) is refused, never raised:
   ``try_ensure_parallel_info`` answers False, logs the reason once, and that prefill's
   receivers fail with it. A node that failed to connect is retried with backoff
@@ -67,8 +69,8 @@ nodes.
 
 Senders and receivers built over a sglang manager (the non-DSA fallback) are sglang's own.
 Limits (refused with a message naming the flag to change, see docs/sglang.md): attention-TP
-widths that divide each other, attention CP 1, no KV sharding, decode with one pipeline
-stage (prefill DP ranks are registered for decode's query where it cannot compute them:
+widths that divide each other, attention CP 1, no KV sharding, decode pipeline stages 1 or the
+prefill's (prefill DP ranks are registered for decode's query where it cannot compute them:
 ``dp_route``), device destinations only, decode
 radix-cache prefixes of whole pages (as sglang's radix cache makes them).
 """
@@ -121,6 +123,7 @@ from .bringup import (
     engine_options,
     pairing_problems,
     sglang_class,
+    target_stages,
     tp_targets,
 )
 from .early_send import EarlySendDispatcher
@@ -135,6 +138,7 @@ from .mixed import (
 )
 from .paged_buffers import PagedBuffers
 from .phases import PhaseClock, PhaseLimits
+from .pool import stage_start_layer
 
 log = logging.getLogger(__name__)
 
@@ -191,14 +195,12 @@ class DSABridgeKVManager(BaseKVManager):
         limits = [name for name, on in (
             ("attention context parallelism (attn_cp_size > 1)", parallel.attn_cp_size > 1),
             ("KV cache sharding", bool(parallel.enable_kv_cache_sharding)),
-            ("a decode side with several pipeline stages",
-             disaggregation_mode == DisaggregationMode.DECODE and self.pp_size > 1),
             ("--disaggregation-decode-allocation-policy prefill_complete (use the default)",
              get_disagg().disaggregation_decode_allocation_policy == "prefill_complete")) if on]
         if limits:
             raise ValueError(f"dsa-bridge's transfer does not support {', '.join(limits)} (docs/sglang.md)")
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
-        start = (getattr(args, "prefill_start_layer", 0) or 0) if prefill else 0
+        start = (getattr(args, "prefill_start_layer", 0) or 0) if prefill else self._stage_start(args)
         problem = hisparse_problem(not prefill, bool(get_memory().enable_hisparse))
         if problem:
             raise ValueError(problem)
@@ -261,6 +263,18 @@ class DSABridgeKVManager(BaseKVManager):
                  "%s, checksums %s", disaggregation_mode.value, self.bridge.layout.num_layers,
                  self.bridge.layout.indexer_layout, device, sorted(set(self.bridge.aux_devices)),
                  self.backend, "on" if self.checksums else "off")
+
+    def _stage_start(self, args) -> int:
+        """A decode stage's first global layer, which its ``KVArgs`` do not say: its pool's
+        ``start_layer`` (dsa-bridge's pool records it); 0 with one stage."""
+        if self.pp_size == 1:
+            return 0
+        start = stage_start_layer(args.kv_data_ptrs[0]) if args.kv_data_ptrs else None
+        if start is None:
+            raise ValueError("dsa-bridge: a decode with pipeline stages needs dsa-bridge's DSA pool "
+                             "(its stage's first layer), and sglang built another (set "
+                             "SGLANG_PLUGINS=dsa_bridge, or give decode --pp-size 1)")
+        return start
 
     def _prefill_node(self, listen: str) -> PrefillNode:
         return PrefillNode(
@@ -448,7 +462,7 @@ class DSABridgeKVManager(BaseKVManager):
             problems = pairing_problems(
                 info, page_size=self.kv_args.page_size,
                 kv_cache_dtype=getattr(self.kv_args, "kv_cache_dtype_str", None),
-                attn_tp_size=self.attn_tp_size)
+                attn_tp_size=self.attn_tp_size, pp_size=self.pp_size)
         if problems:
             reason = f"dsa-bridge cannot pair with the prefill at {bootstrap_addr}: " + "; ".join(problems)
             if self.refused_prefills.get(bootstrap_addr) != reason:
@@ -610,13 +624,13 @@ class DSABridgeKVManager(BaseKVManager):
 
     def _group(self, bootstrap_addr: str, dp_rank: int) -> PrefillGroup:
         """The ranks of DP group ``dp_rank`` this rank talks to, as sglang maps attention-TP
-        ranks between two widths (``tp_targets``), each rank's every pipeline stage."""
+        ranks between two widths (``tp_targets``) and pipeline stages (``target_stages``)."""
         info = self.prefill_info_table[bootstrap_addr]
         targets = tp_targets(self.attn_tp_rank, self.attn_tp_size, info.attn_tp_size)
+        pp_ranks = target_stages(self.pp_rank, self.pp_size, info.pp_size)
 
         def stages(tp_rank: int) -> list[str]:
-            return [self._rank_endpoint(bootstrap_addr, dp_rank, tp_rank, pp)
-                    for pp in range(info.pp_size)]
+            return [self._rank_endpoint(bootstrap_addr, dp_rank, tp_rank, pp) for pp in pp_ranks]
 
         return PrefillGroup(tuple(stages(targets.source)),
                             tuple(e for tp in targets.idle for e in stages(tp)), targets.copies)

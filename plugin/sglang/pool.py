@@ -12,6 +12,9 @@ guarantees on top:
 - ``buffer_descriptors()`` / ``buffer_set()``: validated descriptors, SGLang's 0-row indexer
   placeholders made absent (``BufferSet.from_buf_infos``), so a dsa-bridge transfer node takes
   this pool as it is;
+- ``stage_start_layer(ptr)``: a pool's first global layer (its pipeline stage's), by the pointer of
+  its first KV buffer — what a decode stage's ``KVArgs`` do not say (prefill's say it in
+  ``prefill_start_layer``);
 - ``move_kv_cache`` checks every location before any write and drops identity pairs (the
   ``(0 <- 0)`` padding of SGLang's speculative-decoding helper);
 - ``get_cpu_copy`` / ``load_cpu_copy`` (decode-side retraction) take exactly what SGLang's
@@ -25,6 +28,7 @@ guarantees on top:
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SGLangDSATokenToKVPool
@@ -32,6 +36,17 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SGLangDSATokenT
 from ..descriptors import BufferDescriptor, BufferSet
 from ..layout import DSALayout
 from ..pool import check_request_tokens, check_targets, check_token_locs, resolve_kv_dtype
+
+_POOLS: dict[int, weakref.ref] = {}  # first KV buffer's data_ptr -> the dsa-bridge pool there
+
+
+def stage_start_layer(kv_ptr: int) -> int | None:
+    """The ``start_layer`` of the live dsa-bridge pool whose first KV buffer is at ``kv_ptr`` (the
+    first of sglang's ``kv_data_ptrs``); None for memory no such pool of this process holds."""
+    pool = _POOLS[kv_ptr]() if kv_ptr in _POOLS else None
+    if pool is None or pool.kv_buffer[0].data_ptr() != kv_ptr:
+        return None
+    return pool.start_layer
 
 
 class BridgeDSATokenToKVPool(SGLangDSATokenToKVPool):
@@ -62,6 +77,7 @@ class BridgeDSATokenToKVPool(SGLangDSATokenToKVPool):
         self.kv_layer_ids = list(ids)
         self.state_layer_ids = list(ids)  # SGLang's state list: one entry per layer, 0-row ones too
         self.buffer_set()  # refuse a pool whose buffers do not match the layout
+        _POOLS[self.kv_buffer[0].data_ptr()] = weakref.ref(self)
 
     def buffer_set(self) -> BufferSet:
         """The buffers SGLang allocated, validated against ``layout``; 0-row indexer

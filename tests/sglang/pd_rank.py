@@ -271,12 +271,15 @@ def run_decode(cfg: dict, server_args) -> dict:
     pool, metadata = make_pool(cfg, bridge=cfg.get("bridge_pool", True)), metadata_buffers()
     for view in [*views(pool).values(), *aux_views(metadata)]:
         view.fill_(SENTINEL)
-    manager = DecodePreallocQueue._init_kv_manager(scheduler_stand_in(cfg, server_args, pool, metadata,
-                                                                      "decode"))
+    stand_in = scheduler_stand_in(cfg, server_args, pool, metadata, "decode")
+    stand_in.pp_rank = cfg.get("pp_rank", 0)
+    manager = DecodePreallocQueue._init_kv_manager(stand_in)
     addr = f"127.0.0.1:{cfg['port']}"
+    result_layers = manager.bridge.kv_layer_ids
     receiver = get_kv_class(backend, KVClassType.RECEIVER)(mgr=manager, bootstrap_addr=addr,
                                                            bootstrap_room=cfg["room"])
-    result = {"manager": type(manager).__qualname__, "receiver": type(receiver).__qualname__}
+    result = {"manager": type(manager).__qualname__, "receiver": type(receiver).__qualname__,
+              "layers": result_layers}
     wait_for(lambda: manager.try_ensure_parallel_info(addr), 180, "prefill parallel info")  # a loaded host
     info = manager.prefill_info_table[addr]
     receiver.init(0 if info.dp_size == 1 else cfg["room"] % info.dp_size)

@@ -391,6 +391,35 @@ def test_pipelined_prefill_into_one_decode_stage_byte_exact():
     assert decode["nbytes"] == first["bytes"] + second["bytes"]
 
 
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_pipelined_prefill_into_as_many_decode_stages_byte_exact(engine):
+    """sglang's PP on both sides (``--pp-size 2`` on prefill and decode, four processes): decode
+    stage ``k`` reads prefill stage ``k`` only, its layers named from its pool's ``start_layer``
+    (its KVArgs do not say them); each decode stage byte-exact on its layers and its own aux
+    slot, written by its prefill stage, the rest of its pool at the sentinel."""
+    require_engine(engine)
+    cfg = config(engine, MODELS["deepseek-v3.2"])
+    prefill_port, decode_port = free_port(), free_port()
+    stages = [{**cfg, "layers": 2, "start_layer": 2 * r, "pp_size": 2, "pp_rank": r, "late_sender_s": 0.0}
+              for r in range(2)]
+    results = run_ranks([("prefill", [{**stages[0], "dist_port": prefill_port}]),
+                         ("prefill", [{**stages[1], "dist_port": prefill_port}]),
+                         ("decode", [{**stages[0], "dist_port": decode_port}]),
+                         ("decode", [{**stages[1], "dist_port": decode_port}])])
+    (first,), (second,), *decodes = results
+    page_bytes = 64 * (656 + 132)
+    for rank, (prefill, (decode,)) in enumerate(zip((first, second), decodes, strict=True)):
+        assert decode["layers"] == prefill["layers"] == [2 * rank, 2 * rank + 1]
+        assert decode["poll"] == prefill["poll"] == 4, decode.get("reason")
+        assert decode["stages"] == 1  # its own prefill stage only
+        assert decode["mismatched"] == [] and decode["others_sentinel"]
+        assert decode["buffers"] == [f"index:{2 * rank}", f"index:{2 * rank + 1}",
+                                     f"kv:{2 * rank}", f"kv:{2 * rank + 1}"]
+        assert decode["aux_exact"] and decode["aux_others_sentinel"]
+        expected = len(cfg["src_pages"]) * page_bytes * 2 + decode["aux_bytes"]  # its 2 layers, its aux
+        assert prefill["bytes"] == decode["nbytes"] == expected
+
+
 # ---- decode: what dsa-bridge cannot pair with, refused from the bootstrap's parallel info ----------
 
 def registration(**changes) -> dict:

@@ -34,7 +34,9 @@ if SGLANG_MISSING:
     pytest.skip(SGLANG_MISSING, allow_module_level=True)
 
 from sglang.srt.disaggregation.base import KVArgs  # noqa: E402
+from sglang.srt.disaggregation.common.conn import PrefillServerInfo  # noqa: E402
 from sglang.srt.disaggregation.utils import DisaggregationMode, setup_state_kv_args  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SGLangPool  # noqa: E402
 from sglang.srt.utils.network import get_local_ip_auto  # noqa: E402
 
 from dsa_bridge.plugin.sglang import bringup, conn  # noqa: E402
@@ -336,18 +338,69 @@ def test_prefill_registers_its_dp_rank_where_decode_must_ask_and_fails_a_conflic
      "--disaggregation-decode-allocation-policy prefill_complete"),
     ("prefill", {"disaggregation_decode_allocation_policy": "prefill_complete"},
      "--disaggregation-decode-allocation-policy prefill_complete"),
-    ("decode", {"pp_size": 2}, "a decode side with several pipeline stages"),
 ])
 def test_a_shape_dsa_bridge_does_not_serve_is_refused_at_start_up_by_name(mode, fields, named):
     """Refused when the manager is made (sglang's scheduler start-up), never at a request: with
     ``prefill_complete`` sglang's prefill would call ``mark_prefill_complete``, which dsa-bridge's
-    sender does not have, at the first request; a pipelined decode's KVArgs do not say its layer
-    range."""
+    sender does not have, at the first request."""
     with published_context(disaggregation_mode=mode, disaggregation_transfer_backend="nixl",
                            **fields) as sa:
         args = kv_args(BridgeDSATokenToKVPool(**DSV32))
         with pytest.raises(ValueError, match=f"does not support {named}"):
             conn.DSABridgeKVManager(args, DisaggregationMode(mode), sa, True)
+
+
+# ---- decode pipeline stages: the stage's layers from its pool ---------------------------------------
+
+def test_a_decode_stage_takes_its_layers_from_dsa_bridges_pool():
+    """A decode stage's KVArgs do not say its layers; dsa-bridge's pool records its
+    ``start_layer``, so stage 1 of a 2 x 4-layer decode holds global layers 4-7."""
+    require_engine("nixl")
+    with published_context(disaggregation_mode="decode", disaggregation_transfer_backend="nixl",
+                           pp_size=2) as sa:
+        args = kv_args(BridgeDSATokenToKVPool(**{**DSV32, "start_layer": 4}))
+        args.pp_rank = 1
+        manager = conn.DSABridgeKVManager(args, DisaggregationMode.DECODE, sa, True)
+        try:
+            assert manager.bridge.kv_layer_ids == [4, 5, 6, 7]
+            assert manager.bridge.layout.layer_ids == (4, 5, 6, 7)
+        finally:
+            manager.shutdown()
+
+
+def test_a_decode_stage_over_another_pool_is_refused_at_start_up_by_name():
+    """sglang's own pool (the plugin's pool hook not in force) does not record its first layer:
+    refused, naming what to change, rather than guessed."""
+    with published_context(disaggregation_mode="decode", disaggregation_transfer_backend="nixl",
+                           pp_size=2) as sa:
+        args = kv_args(SGLangPool(**{**DSV32, "start_layer": 4}))
+        with pytest.raises(ValueError, match="a decode with pipeline stages needs dsa-bridge's DSA "
+                                             "pool .*SGLANG_PLUGINS=dsa_bridge, or give decode --pp-size 1"):
+            conn.DSABridgeKVManager(args, DisaggregationMode.DECODE, sa, True)
+
+
+@pytest.mark.parametrize(("decode_rank", "decode_size", "prefill_size", "stages"), [
+    (0, 1, 1, (0,)),
+    (0, 1, 3, (0, 1, 2)),  # a one-stage decode reads every stage
+    (0, 2, 2, (0,)),
+    (1, 2, 2, (1,)),  # a decode with the prefill's stages reads its own
+])
+def test_target_stages_are_sglangs(decode_rank, decode_size, prefill_size, stages):
+    assert bringup.target_stages(decode_rank, decode_size, prefill_size) == stages
+
+
+@pytest.mark.parametrize(("prefill_pp", "decode_pp", "problem"), [
+    (2, 1, None), (2, 2, None), (1, 1, None),
+    (1, 2, "pipeline stages: prefill 1, decode 2 (a decode with pipeline stages needs the prefill's "
+           "--pp-size; or give decode --pp-size 1)"),
+    (4, 2, "pipeline stages: prefill 4, decode 2"),
+])
+def test_decode_stages_pair_only_with_as_many_prefill_stages(prefill_pp, decode_pp, problem):
+    info = PrefillServerInfo(attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=prefill_pp, page_size=64,
+                             kv_cache_dtype="fp8_e4m3", follow_bootstrap_room=True, kv_layout="dsa-bridge")
+    problems = bringup.pairing_problems(info, page_size=64, kv_cache_dtype="fp8_e4m3",
+                                        attn_tp_size=1, pp_size=decode_pp)
+    assert (problems == []) if problem is None else (len(problems) == 1 and problem in problems[0])
 
 
 # ---- the transport: RDMA where there is a device, as sglang's own engine ----------------------------

@@ -64,12 +64,7 @@ def dsa_bridge_kv_class(original, transfer_backend, class_type):
     manager decides per model, see the module docstring); anything else sglang's."""
     from . import conn
 
-    chosen = {
-        "manager": conn.DSABridgeKVManager,
-        "sender": conn.DSABridgeKVSender,
-        "receiver": conn.DSABridgeKVReceiver,
-        "bootstrap_server": conn.DSABridgeKVBootstrapServer,
-    }.get(getattr(class_type, "value", class_type))
+    chosen = conn.CLASSES.get(getattr(class_type, "value", class_type))
     if chosen is None or getattr(transfer_backend, "value", transfer_backend) not in BRIDGED_BACKENDS:
         return original(transfer_backend, class_type)
     return chosen

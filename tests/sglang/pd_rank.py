@@ -246,15 +246,16 @@ def faulty_engine(fault: dict | None):
     if not fault:
         yield
         return
-    from dsa_bridge.plugin.sglang import conn
+    from dsa_bridge.plugin.sglang import manager as bridge_manager
     from tests.faulty import wrap_from_env
 
-    real = conn.create_backend
-    conn.create_backend = lambda *args, **kwargs: wrap_from_env(real(*args, **kwargs), environ=fault)
+    real = bridge_manager.create_backend
+    bridge_manager.create_backend = lambda *args, **kwargs: wrap_from_env(real(*args, **kwargs),
+                                                                          environ=fault)
     try:
         yield
     finally:
-        conn.create_backend = real
+        bridge_manager.create_backend = real
 
 
 def close(server) -> None:

@@ -137,7 +137,7 @@ def run(cfg: dict) -> dict:
     from sglang.srt.disaggregation.utils import poll_and_all_reduce
 
     refusals = Refusals()
-    logging.getLogger("dsa_bridge.plugin.sglang.conn").addHandler(refusals)
+    logging.getLogger("dsa_bridge.plugin.sglang").addHandler(refusals)
     result, refused_port = {}, cfg["refused_port"]
     server = register_refused_prefill(refused_port)
     with shims.published_context(disaggregation_mode="decode", disaggregation_transfer_backend=cfg["engine"],

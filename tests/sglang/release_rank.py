@@ -221,7 +221,7 @@ def main() -> None:
     configs = json.loads(sys.argv[2])
     load_plugins()
     warnings = Warnings()
-    logging.getLogger("dsa_bridge.plugin.sglang.conn").addHandler(warnings)
+    logging.getLogger("dsa_bridge.plugin.sglang").addHandler(warnings)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{configs[0]['dist_port']}",
                             world_size=1, rank=0)
     group = dist.new_group([0], backend="gloo")

@@ -131,15 +131,15 @@ def test_get_kv_class_gives_dsa_bridge_classes_for_mooncake_and_nixl_and_falls_b
     for backend in ("mooncake", "nixl"):
         assert got[backend] == {
             "kvargs": "base.conn.KVArgs",
-            "manager": "sglang.conn.DSABridgeKVManager",
-            "sender": "sglang.conn.DSABridgeKVSender",
-            "receiver": "sglang.conn.DSABridgeKVReceiver",
+            "manager": "sglang.manager.DSABridgeKVManager",
+            "sender": "sglang.sender.DSABridgeKVSender",
+            "receiver": "sglang.receiver.DSABridgeKVReceiver",
             "bootstrap_server": "sglang.conn.DSABridgeKVBootstrapServer",
         }, backend
     assert got["fake"]["sender"] == "fake.conn.FakeKVSender"  # other backends: sglang's
     assert got["disagg_service_sees_hook"]  # the modules that imported it by name see the hook too
     # an MLA pool (no DSA state): dsa-bridge's class builds sglang's own Mooncake manager
-    assert got["fallback"] == ["sglang.conn.DSABridgeKVManager", "mooncake.conn.MooncakeKVManager"]
+    assert got["fallback"] == ["sglang.manager.DSABridgeKVManager", "mooncake.conn.MooncakeKVManager"]
     assert "sglang's MooncakeKVManager moves this pool" in got["log"]
 
 
@@ -469,7 +469,7 @@ def test_decode_refuses_a_prefill_it_cannot_pair_with_naming_the_flag(changes, m
             addr = f"127.0.0.1:{port}"
             receiver = DSABridgeKVReceiver(manager, addr, 77)
             assert receiver.poll() == 1  # Bootstrapping: nothing known yet
-            with caplog.at_level(logging.WARNING, logger="dsa_bridge.plugin.sglang.conn"):
+            with caplog.at_level(logging.WARNING, logger="dsa_bridge.plugin.sglang"):
                 assert [manager.try_ensure_parallel_info(addr) for _ in range(3)] == [False] * 3
                 others = [DSABridgeKVReceiver(manager, addr, room) for room in (78, 79)]
                 assert [r.poll() for r in [receiver, *others]] == [0, 0, 0]  # Failed

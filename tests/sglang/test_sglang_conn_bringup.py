@@ -40,6 +40,7 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SGLangPool  # n
 from sglang.srt.utils.network import get_local_ip_auto  # noqa: E402
 
 from dsa_bridge.plugin.sglang import bringup, conn  # noqa: E402
+from dsa_bridge.plugin.sglang import manager as bridge_manager  # noqa: E402
 from dsa_bridge.plugin.sglang.pool import BridgeDSATokenToKVPool  # noqa: E402
 from dsa_bridge.transfer.backends import create_backend  # noqa: E402
 from dsa_bridge.transfer.prefill import PrefillNode  # noqa: E402
@@ -99,12 +100,12 @@ def test_a_failed_connection_is_retried_with_backoff_not_per_request(monkeypatch
     require_engine("nixl")
     made = []
 
-    class CountingDecodeNode(conn.DecodeNode):
+    class CountingDecodeNode(bridge_manager.DecodeNode):
         def __init__(self, *args, **kwargs):
             made.append(1)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(conn, "DecodeNode", CountingDecodeNode)
+    monkeypatch.setattr(bridge_manager, "DecodeNode", CountingDecodeNode)
     port = free_port()
     server = conn.DSABridgeKVBootstrapServer("127.0.0.1", port)
     with published_context(disaggregation_mode="decode", disaggregation_transfer_backend="nixl") as sa:
@@ -127,7 +128,7 @@ def test_a_failed_connection_is_retried_with_backoff_not_per_request(monkeypatch
                     receiver.failure_exception()
                 return str(failed.value)
 
-            with caplog.at_level(logging.WARNING, logger="dsa_bridge.plugin.sglang.conn"):
+            with caplog.at_level(logging.WARNING, logger="dsa_bridge.plugin.sglang"):
                 reasons = [request() for _ in range(4)]
                 assert len(made) == 1  # one handshake for four requests
                 assert all("layer sets" in r for r in reasons)
@@ -157,12 +158,12 @@ def test_a_handshake_runs_off_the_scheduler_thread(monkeypatch):
     require_engine("nixl")
     made = []
 
-    class RecordingDecodeNode(conn.DecodeNode):
+    class RecordingDecodeNode(bridge_manager.DecodeNode):
         def __init__(self, *args, **kwargs):
             made.append(threading.current_thread().name)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(conn, "DecodeNode", RecordingDecodeNode)
+    monkeypatch.setattr(bridge_manager, "DecodeNode", RecordingDecodeNode)
     port, context = free_port(), zmq.Context()
     silent = context.socket(zmq.ROUTER)  # a prefill rank frozen before its first answer
     silent.setsockopt(zmq.LINGER, 0)
@@ -435,7 +436,7 @@ def test_the_transport_is_said_once_per_rank(monkeypatch, caplog):
     with (bootstrap_server() as port,
           published_context(disaggregation_mode="prefill", disaggregation_transfer_backend="mooncake",
                             disaggregation_bootstrap_port=port, host="127.0.0.1") as sa):
-        with caplog.at_level(logging.INFO, logger="dsa_bridge.plugin.sglang.conn"):
+        with caplog.at_level(logging.INFO, logger="dsa_bridge.plugin.sglang"):
             manager = prefill_manager(sa)
             manager.log_transport(manager.node.backend)  # asked again: said once
         try:

@@ -156,9 +156,9 @@ def decode_rank(cfg: dict, server_args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dsa_bridge.plugin.sglang import conn
+    from dsa_bridge.plugin.sglang import manager as bridge_manager
 
-    conn.IN_FLIGHT_GRACE_S = cfg["grace_s"]
+    bridge_manager.IN_FLIGHT_GRACE_S = cfg["grace_s"]
     as_tp_rank(cfg)
     group = gloo_world(cfg)
     side = release_rank.queued_request(cfg, server_args, group, info_wait_s=240, bootstrap_wait_s=60)

@@ -96,7 +96,7 @@ def decode_rank(cfg: dict, server_args) -> dict:
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
-    from dsa_bridge.plugin.sglang import conn
+    from dsa_bridge.plugin.sglang import manager as bridge_manager
 
     as_rank(cfg)
     group = tp_group(cfg)
@@ -104,8 +104,8 @@ def decode_rank(cfg: dict, server_args) -> dict:
     for view in [*pd_rank.views(pool).values(), *pd_rank.aux_views(metadata)]:
         view.fill_(pd_rank.SENTINEL)
     engines = []  # the engines the rank builds: one, whatever the prefill groups it reads
-    real = conn.create_backend
-    conn.create_backend = lambda *args, **kwargs: engines.append(1) or real(*args, **kwargs)
+    real = bridge_manager.create_backend
+    bridge_manager.create_backend = lambda *args, **kwargs: engines.append(1) or real(*args, **kwargs)
     manager = DecodePreallocQueue._init_kv_manager(
         pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata, "decode"))
     addr = f"127.0.0.1:{cfg['port']}"

@@ -1,0 +1,149 @@
+"""The sglang KVSender of dsa-bridge: one request on a prefill rank.
+
+``DSABridgeKVSender``: ``init(num_kv_indices, aux_index)``, ``send(kv_indices, state_indices)``
+(the DSA state indices, with the last chunk, must be the request's KV pages: one function
+derives the indexer pages), ``poll()``, ``poll_pp_consensus()`` (every stage's status, on
+pipeline stage 0), ``pop_decode_prefix_len()`` (decode's radix-cache prefix, from its pages),
+``failure_exception()`` raising, ``abort()``, ``clear()``. A chunk sglang sends early (its
+``_early_send_wait_event``) and the chunks after it wait in the manager's
+``EarlySendDispatcher`` until the forward writing their pages finished (``early_send.py``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransferMetric
+from sglang.srt.environ import envs
+from sglang.srt.runtime_context import get_parallel
+
+from .bringup import backend_of, dp_route, sglang_class
+from .failures import ANOTHER_RANK_FAILED, TERMINAL, FailedRequest, state_problem
+from .manager import DSABridgeKVManager
+from .phases import PhaseClock
+
+
+class DSABridgeKVSender(BaseKVSender):
+    """One request on a prefill rank (``mgr.node.sender(room)``)."""
+
+    def __new__(cls, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=False):
+        if isinstance(mgr, DSABridgeKVManager):
+            return super().__new__(cls)
+        return sglang_class(backend_of(mgr.server_args), "KVSender")(
+            mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
+
+    def __init__(self, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=False):
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = bootstrap_room
+        self._sent: list[np.ndarray] = []
+        self._early_send_wait_event = None  # sglang sets it before an early send (prefill.py)
+        self._phases = PhaseClock("prefill", mgr.phase_limits, time.monotonic())  # sglang's deadlines
+        self._failed: FailedRequest | None = None
+        while not mgr.node.incoming.empty():  # rooms decode announced first: informational only
+            mgr.node.incoming.get_nowait()
+        try:
+            if mgr.memory_released:
+                raise ValueError("this rank's cache memory is released (sglang's "
+                                 "release_memory_occupation, not resumed yet)")
+            self._sender = mgr.node.sender(bootstrap_room)
+        except ValueError as exc:
+            self._sender = None
+            self._failed = FailedRequest(bootstrap_room, str(exc))
+        parallel = get_parallel()
+        route = dp_route(bootstrap_room, mgr.attn_dp_rank, parallel.num_dp_ranks,
+                         load_balance_method=parallel.load_balance_method,
+                         force_query=bool(envs.SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK.get()),
+                         given_dp_rank=req_has_disagg_prefill_dp_rank)
+        if route.conflict and self._sender is not None:
+            self._sender.abort(route.conflict)
+        elif route.register:
+            mgr.register_dp_rank(bootstrap_addr, bootstrap_room)
+        mgr.track_stage_status(self)
+
+    def pop_decode_prefix_len(self) -> int:
+        """The request's first tokens decode holds already (its radix cache), as decode's pages
+        told this rank: sglang's prefill sends the request's pages from there
+        (``finalize_bootstrap``: ``start_send_idx``, and ``init`` counts only the rest)."""
+        return 0 if self._sender is None else self._sender.decode_prefix_tokens
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        if self._sender is None:
+            return
+        try:
+            self._sender.init(int(num_kv_indices), aux_index=aux_index)
+        except ValueError as exc:
+            self._sender.abort(f"bad init: {exc}")
+
+    def send(self, kv_indices, state_indices=None, num_kv_tokens=None) -> None:
+        if self._sender is None:
+            return
+        pages = np.asarray(kv_indices, dtype=np.int64)
+        self._sent.append(pages)
+        if state_indices is not None:
+            problem = state_problem(state_indices, np.concatenate(self._sent))
+            if problem:
+                self._sender.abort(problem)
+                return
+        # an early send's pages may still be being written by a forward: sglang's event says when
+        # they are done (``early_send``); never waited for on sglang's scheduler thread
+        event, self._early_send_wait_event = self._early_send_wait_event, None
+        self.kv_mgr.early_sends.send(self._sender, pages, event)
+
+    def poll(self) -> KVPoll:
+        """The request's status; a phase past its sglang bound (``phases``) fails it, naming the
+        phase and the variable."""
+        if self._sender is None:
+            return KVPoll.Failed
+        status, now = self._sender.poll(), time.monotonic()
+        if status in TERMINAL:
+            self._phases.finish()
+        elif status != KVPoll.Bootstrapping:  # decode's pages arrived
+            self._phases.advance(now)
+        expired = self._phases.expired(now)
+        if expired is not None:
+            self._sender.abort(expired)
+            status = self._sender.poll()
+        return int(status)
+
+    def poll_pp_consensus(self) -> KVPoll:
+        """The room's status over every pipeline stage, as sglang's prefill bootstrap queue polls
+        it on stage 0 (``poll_and_all_reduce_prefill_pp``) before passing the verdict on to the
+        later stages; with one stage, ``poll()``."""
+        own = self.poll()
+        if self.kv_mgr.stage_status is None:
+            return own
+        return self.kv_mgr.stage_consensus(self.bootstrap_room, own)
+
+    def failure_exception(self):
+        """Raise why the request failed. sglang calls this on every TP rank once any rank's poll
+        failed: a rank whose own transfer did not fail stops it first (its writer writes no
+        further chunk; decode hears of it once no write of it can land), before sglang frees the
+        request's pages."""
+        if self._failed is not None:
+            raise self._failed.exception()
+        exc = self._sender.failure_exception()
+        if exc is None:
+            if self._sender.poll() not in TERMINAL:
+                self._sender.abort(ANOTHER_RANK_FAILED)
+            raise FailedRequest(self.bootstrap_room, ANOTHER_RANK_FAILED, from_another_rank=True).exception()
+        raise exc
+
+    def abort(self) -> None:
+        if self._sender is not None:
+            self._sender.abort("aborted by sglang")
+
+    def clear(self) -> None:
+        """sglang's prefill calls this once the transfer succeeded: the room leaves the stages'
+        consensus. A transfer still running is stopped (sglang frees its pages next)."""
+        if self._sender is not None and self._sender.poll() not in TERMINAL:
+            self._sender.abort("cleared by sglang")
+        self.kv_mgr.forget_stage_status(self.bootstrap_room)
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        state = self._sender.state if self._sender is not None else None
+        if state is None or state.finished_at is None:
+            return KVTransferMetric()
+        started = state.transferring_at or state.created
+        return KVTransferMetric(transfer_latency_s=state.finished_at - started)

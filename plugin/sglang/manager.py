@@ -24,6 +24,11 @@ KVArgs that are not a DSA pool (``kvargs.dsa_problem``) get sglang's own manager
 configured backend instead (logged): sglang's ``get_kv_class`` does not know the model, its
 KVArgs do.
 
+sglang's decode queue makes its HTTP calls on the manager's threads
+(``_ensure_prefill_recompute_executor``: its prefill DP-rank queries); a retracted request's
+rebootstrap asks the prefill to compute it again (``submit_prefill_recompute``: ``POST /generate``
+at the HTTP port the prefill registered, once per request), a failure failing the request.
+
 Each buffer is registered as the memory its pointer is (``memory_kinds``); HiSparse on decode is
 refused at start-up. sglang's memory saver releases the cache through
 ``deregister_buffer_to_engine`` (running requests fail, the cache leaves the engines first) and
@@ -93,6 +98,7 @@ log = logging.getLogger(__name__)
 HTTP_TIMEOUT_S = 5.0
 ROUTE_RECHECK_S = 1.0  # how often an unreachable prefill's endpoints are looked up again
 REGISTER_WAIT_S = 30.0  # for the bootstrap server to listen when a prefill rank registers
+HTTP_WORKERS = 4  # threads for sglang's HTTP calls off its scheduler thread (DP-rank queries, rebootstrap)
 STAGE_REPORT_S = 0.005  # how often a later pipeline stage reports its senders' statuses to stage 0
 # decode's fence (DecodeNode): a failed engine write's bytes may land for IN_FLIGHT_GRACE_S after
 # prefill reports it; pages on a silent prefill are held up to QUARANTINE_TIMEOUT_S
@@ -177,6 +183,7 @@ class DSABridgeKVManager(BaseKVManager):
         self._connector: ThreadPoolExecutor | None = None  # makes them, off sglang's thread
         self.engine: SharedEngine | None = None  # decode: one engine for every node of the rank
         self.prefill_aborts: PrefillAborts | None = None  # decode: sglang's own prefills told
+        self._http_calls: ThreadPoolExecutor | None = None  # decode: sglang's, off its thread
         self.groups: dict[tuple[str, int], PrefillGroup] = {}  # the ranks each node talks to
         self.node_failures: dict[tuple[str, int], PeerBackoff] = {}
         self.route_checked: dict[tuple[str, int], float] = {}  # when a lost prefill was looked up
@@ -446,6 +453,48 @@ class DSABridgeKVManager(BaseKVManager):
             log.error("dsa-bridge: room %s: registering its prefill DP rank failed: %d %s", room,
                       response.status_code, response.text)
 
+    def _ensure_prefill_recompute_executor(self) -> ThreadPoolExecutor:
+        """The threads sglang's decode queue runs its HTTP calls on, made on first use, as
+        sglang's own managers make them (the name is sglang's): its prefill DP-rank queries
+        (``prefetch_prefill_dp_rank_queries``, every step of its event loop while a request
+        waits for its DP rank) and the rebootstrap ``/generate`` (``submit_prefill_recompute``)."""
+        with self._lock:
+            if self._http_calls is None:
+                self._http_calls = ThreadPoolExecutor(
+                    HTTP_WORKERS, thread_name_prefix=f"dsa-bridge-dp{self.attn_dp_rank}-tp"
+                    f"{self.attn_tp_rank}-http")
+            return self._http_calls
+
+    def submit_prefill_recompute(self, receiver: BaseKVReceiver, payload: dict) -> None:
+        """sglang's rebootstrap of a retracted request (``pause_generation(mode="retract")``,
+        then its decode queue's ``add(req, is_rebootstrap=True)``): ask the request's prefill to
+        compute it again (``POST /generate`` with sglang's ``payload``, at the HTTP port the
+        prefill registered), which then writes it to the request's new receiver. Asked once per
+        request, by attention-TP rank 0 of the first stage, as sglang's managers do; a prefill
+        that cannot be asked, or refuses, fails the request with the reason."""
+        if self.attn_tp_rank != 0 or self.pp_rank != 0:
+            return
+        info = self.prefill_info_table.get(receiver.bootstrap_addr)
+        port = getattr(info, "prefill_http_port", None)
+        if port is None:
+            receiver.fail_recompute(f"rebootstrap: the prefill at {receiver.bootstrap_addr} "
+                                    "registered no HTTP port to ask for the request again")
+            return
+        host = NetworkAddress.parse(receiver.bootstrap_addr).host
+        url = NetworkAddress(host, int(port)).to_url() + "/generate"
+        self._ensure_prefill_recompute_executor().submit(self._recompute, receiver, url, payload)
+
+    def _recompute(self, receiver: BaseKVReceiver, url: str, payload: dict) -> None:
+        """One rebootstrap ``POST`` (an HTTP thread), bounded by sglang's waiting timeout."""
+        try:
+            response = requests.post(url, json=payload, timeout=self.phase_limits.waiting_s)
+        except requests.RequestException as exc:
+            receiver.fail_recompute(f"rebootstrap: POST {url} failed: {exc}")
+            return
+        if response.status_code >= 400:
+            receiver.fail_recompute(f"rebootstrap: POST {url} answered {response.status_code} "
+                                    f"{response.text[:200]}")
+
     def tell_sglang_prefill(self, bootstrap_addr: str, room: int, reason: str) -> None:
         """This rank refused ``room`` of the prefill at ``bootstrap_addr`` for ``reason``: if that
         prefill runs sglang's own connector, its ranks are told in sglang's protocol, off the
@@ -703,6 +752,8 @@ class DSABridgeKVManager(BaseKVManager):
             self.node.close()
         if self._connector is not None:
             self._connector.shutdown(wait=True)
+        if self._http_calls is not None:  # a rebootstrap POST may wait for its prefill: not joined
+            self._http_calls.shutdown(wait=False, cancel_futures=True)
         self._close_decode_nodes()
         if self.engine is not None:
             self._registration.close()

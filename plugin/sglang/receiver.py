@@ -6,7 +6,8 @@ state_indices, decode_prefix_len, destination)`` (the pages after decode's radix
 prefix, which prefill then skips; a refused call tells prefill at once), ``poll()``
 (Failed, with the reason, once its prefill is refused), ``failure_exception()`` (sglang's
 ``KVTransferError``; a checksum failure in sglang's words, "KV checksum mismatch"),
-``abort()``, ``ensure_abort_notified()``, ``clear()``.
+``abort()``, ``ensure_abort_notified()``, ``clear()``; ``fail_recompute(reason)`` when the
+manager's rebootstrap request to the prefill failed (``submit_prefill_recompute``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         self._metadata_sent = False
         self._failed: FailedRequest | None = None
         self._forced = False  # a forced release of its pages was counted
+        self._recompute_failure: str | None = None  # set by the manager's HTTP thread
         self._phases = PhaseClock("decode", mgr.phase_limits, time.monotonic())  # sglang's deadlines
 
     def _fail(self, reason: str, *, logged: bool = False) -> None:
@@ -143,8 +145,17 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         self._fail(expired)
         return KVPoll.Failed
 
+    def fail_recompute(self, reason: str) -> None:
+        """The manager could not ask the prefill to compute this (rebootstrapped) request again
+        (its HTTP thread): the request fails at its next poll, unless it has succeeded."""
+        self._recompute_failure = reason
+
     def _status(self) -> KVPoll:
         self.kv_mgr.forget_released()
+        if self._recompute_failure is not None:
+            reason, self._recompute_failure = self._recompute_failure, None
+            if self._receiver is None or self._receiver.poll() != KVPoll.Success:
+                self._fail(reason)
         if self._dp_rank is not None:  # its node was being connected
             self._attach()
         if self._failed is None and self._receiver is None:

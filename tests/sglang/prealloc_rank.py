@@ -18,6 +18,8 @@ Scenario: three requests to a prefill dsa-bridge cannot pair with (registered wi
 page size), then one more after sglang's one-second retry interval, then one to a good
 prefill (``pd_rank.py prefill``, another process): the refused ones abort with the reason, the
 refusal logged once, and the same queue and manager then move the good one byte-exact.
+Scenario ``dp_query`` (``run_dp_query``): sglang's prefill DP-rank query, as its event loop
+prefetches it.
 """
 
 from __future__ import annotations
@@ -193,12 +195,54 @@ def run(cfg: dict) -> dict:
     return result
 
 
+def run_dp_query(cfg: dict) -> dict:
+    """Scenario ``dp_query`` (``test_sglang_decode_http.py``): a prefill of two DP groups under
+    round-robin load balancing (decode must ask for each request's DP rank), registered on a
+    bootstrap server, its ranks not listening; room 500 registered on DP rank 1, room 501 never.
+    Each step as sglang's decode event loop makes it: ``prefetch_prefill_dp_rank_queries``, then
+    the first part of ``pop_preallocated``."""
+    import requests
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    port, silent_port = cfg["port"], cfg["silent_port"]
+    server = get_kv_class(TransferBackend.NIXL, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    for dp_rank in range(2):
+        payload = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
+                   "attn_dp_size": 2, "attn_dp_rank": dp_rank, "pp_size": 1, "pp_rank": 0,
+                   "system_dp_size": 1, "system_dp_rank": 0, "rank_ip": "127.0.0.1",
+                   "rank_port": silent_port, "page_size": PAGE, "kv_cache_dtype": "fp8_e4m3",
+                   "kv_layout": "dsa-bridge", "load_balance_method": "round_robin"}
+        wait_for(lambda p=payload: _put(requests, port, p), 10, "bootstrap server")
+    response = requests.post(f"http://127.0.0.1:{port}/register_dp_rank",
+                             json={"bootstrap_room": 500, "dp_rank": 1}, timeout=5)
+    assert response.status_code == 200, response.text
+    result = {"prefetched": False}
+    with shims.published_context(disaggregation_mode="decode", disaggregation_transfer_backend="nixl",
+                                 host="127.0.0.1") as server_args:
+        pool, metadata = pd_rank.make_pool(cfg, bridge=True), pd_rank.metadata_buffers()
+        queue = prealloc_queue(cfg, server_args, pool, metadata)
+        queue.add(make_req("queried", port, 500))
+        queue.add(make_req("unregistered", port, 501))
+        failed, deadline = [], time.monotonic() + 60
+        while not failed and time.monotonic() < deadline:
+            queue.prefetch_prefill_dp_rank_queries()  # the event loop's first call of a step
+            result["prefetched"] |= bool(queue._prefill_dp_rank_queries)
+            failed += step(queue)
+            time.sleep(0.05)
+        result["queried_reason"] = failed[0].req.finished_reason.message if failed else None
+        result["pending"] = [d.req.rid for d in [*queue.pending_reqs, *queue.queue]]
+        queue.kv_manager.shutdown()
+    server.close()
+    return result
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[2])
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
-    print("RESULT " + json.dumps(run(cfg)), flush=True)
+    scenario = run_dp_query if cfg.get("scenario") == "dp_query" else run
+    print("RESULT " + json.dumps(scenario(cfg)), flush=True)
 
 
 if __name__ == "__main__":

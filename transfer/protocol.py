@@ -12,6 +12,12 @@ carries the chunk's page checksums when prefill runs with them). A chunk prefill
 offered decode's ``StagingArea``) is preceded by one ``SliceWritten`` per slice it filled, each
 answered by decode with ``SliceFree`` once scattered. Either side may send ``Abort``; both send
 ``Heartbeat``. Data never travels here, only page ids, checksums and states.
+
+Deferred allocation (only between nodes whose application asks for it): decode holds a receiver
+and sends ``Reserve`` before it allocates any page; prefill answers ``PrefillReady`` once the
+request's prefill has finished (at once if it already had), and decode then sends its
+``RequestPages`` as above. A prefill that fails the request first refuses the reservation
+(``ChunkDone`` not ok).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from ..plugin.descriptors import MAX_KIND_CHARS, BufferDescriptor
 # sent only to a peer whose Hello offered a staging area: version 3 peers without it still pair.
 # Different attention-TP widths added only optional fields (RequestPages.copies, .nothing_to_send),
 # sent only by a decode whose width differs from its prefill's.
+# Deferred decode allocation added two messages (Reserve, PrefillReady) sent only by nodes whose
+# application asks for it: version 3 peers without it still pair.
 PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # of any message; each node's sockets take less (limits.py)
 
@@ -57,6 +65,7 @@ Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
 Token = Annotated[bytes, msgspec.Meta(max_length=MAX_TOKEN_BYTES)]
 Hash = Annotated[str, msgspec.Meta(max_length=HASH_CHARS)]
 Kind = Annotated[str, msgspec.Meta(max_length=MAX_KIND_CHARS)]
+Room = Annotated[int, msgspec.Meta(ge=0, le=MAX_ROOM)]
 
 
 class ProtocolError(ValueError):
@@ -180,12 +189,26 @@ class Abort(msgspec.Struct, frozen=True, tag="abort"):
     before_pages: bool = False
 
 
+class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
+    """Decode holds a receiver for ``room`` and will allocate its pages (``RequestPages``) once
+    prefill has computed the request (``PrefillReady``)."""
+
+    room: Room
+
+
+class PrefillReady(msgspec.Struct, frozen=True, tag="prefill_ready"):
+    """The request's prefill has finished: decode may allocate and send its pages now. Sent
+    once to each decode node that reserved ``room``."""
+
+    room: Room
+
+
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     sent_at: float
 
 
 Message = (Hello | HelloAck | RequestPages | ChunkDone | SliceWritten | SliceFree | Abort
-           | Heartbeat)
+           | Reserve | PrefillReady | Heartbeat)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

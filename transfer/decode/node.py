@@ -10,7 +10,9 @@ to Success (every stage's part arrived, exactly once) or to Failed with a reason
 failure, an abort, a missed deadline, or a prefill that stopped answering. Aux buffers
 (``aux_buffers``: one slot per request in each) are announced in the handshake; a request's slot
 (``init(..., aux_index=)``) is filled by the stage that holds the last layer, and counted in that
-stage's bytes.
+stage's bytes. Deferred allocation (``receiver(..., reserve=True)``): the request is reserved with
+its prefill nodes before any page is allocated, and ``KVReceiver.prefill_ready`` says when they
+have computed it (``PrefillReady``); the application then allocates and calls ``init``.
 
 A staging area (``staging_bytes``; ``scatter.SliceScatter``) is registered with the pool and
 split among the prefill nodes, each offered its share in its Hello: a prefill node may then send
@@ -129,16 +131,24 @@ class DecodeNode:
 
     # ---- application API -------------------------------------------------------------------
 
-    def receiver(self, room: int, prefill: str | list[str] | None = None) -> KVReceiver:
+    def receiver(self, room: int, prefill: str | list[str] | None = None, *,
+                 reserve: bool = False) -> KVReceiver:
         """A request fed by ``prefill``: one endpoint, or the endpoints of pipeline stages that
         together hold each of this pool's layers exactly once (ValueError naming the layer
-        otherwise). Default: the first prefill node that holds every layer, else all of them."""
+        otherwise). Default: the first prefill node that holds every layer, else all of them.
+        ``reserve`` (deferred allocation): tell them now (``Reserve``) that this node will
+        allocate the request's pages once its prefill has run (``KVReceiver.prefill_ready``)."""
         peers = self._stages.peers_for(prefill)
+        if reserve and not 0 <= room <= protocol.MAX_ROOM:
+            raise ValueError(f"room {room} is not in 0..2**63-1")
         with self._lock:
             if room in self._receivers:
                 raise ValueError(f"room {room} already has a receiver")
-            receiver = KVReceiver(room, peers, self._context)
+            receiver = KVReceiver(room, peers, self._context, reserve=reserve)
             self._receivers[room] = receiver
+            for peer in peers if reserve else []:
+                if peer.alive:  # a dead one fails the request at the next tick
+                    self._loop.send(peer.socket, protocol.Reserve(room))
         return receiver
 
     def nothing_to_send(self, room: int, prefill: list[str], *, prefix_tokens: int = 0) -> None:
@@ -223,6 +233,10 @@ class DecodeNode:
                 self._scatter.in_order_locked(self._on_chunk_locked, peer, message, now)
             elif isinstance(message, protocol.HelloAck):
                 self._scatter.in_order_locked(self._on_ack_locked, peer, message, now)
+            elif isinstance(message, protocol.PrefillReady):  # a receiver gone meanwhile: ignored
+                receiver = self._receivers.get(message.room)
+                if receiver is not None and peer in receiver.peers:
+                    receiver.prefill_ready_locked(peer, now)
             elif not isinstance(message, protocol.Heartbeat):
                 raise protocol.ProtocolError(f"unexpected {type(message).__name__} from prefill")
 

@@ -4,6 +4,10 @@ prefill node(s) for the request, counts what they report, and settles itself.
 A request is fed by one prefill node or by pipeline stages that each hold a part of the layers
 (``stages``). Its path, in order:
 
+0. Deferred allocation only (a receiver made with ``reserve``): the node has sent each of its
+   prefill nodes a ``Reserve``; each answers ``PrefillReady`` once the request's prefill has run
+   (``prefill_ready_locked``), and once all did, ``prefill_ready`` is True and the request's
+   deadline starts again: the application allocates its pages now. A refusal meanwhile fails it.
 1. ``init`` (application thread) sends the pages decode allocated (and the aux slot, to the stage
    that holds the last layer) to each of its prefill nodes: WaitingForInput; or fails at once,
    releasing its pages, when one of them is marked dead.
@@ -67,9 +71,13 @@ class KVReceiver(RequestHandle):
     (pipeline stages). Success once every one of them has written all of its part, exactly
     once."""
 
-    def __init__(self, room: int, peers: list[PrefillPeer], context: ReceiverContext):
+    def __init__(self, room: int, peers: list[PrefillPeer], context: ReceiverContext, *,
+                 reserve: bool = False):
         super().__init__(room, context.request_timeout_s)
         self.peers = peers
+        self.reserved = reserve  # waits for its prefill nodes' ``PrefillReady``
+        self._ready_from: set[str] = set()  # the prefill nodes that sent it
+        self._prefill_ready = not reserve
         self._context = context
         self.parts = RequestParts(p.endpoint for p in peers)
         self.fence = RequestFence(p.endpoint for p in peers)
@@ -87,6 +95,12 @@ class KVReceiver(RequestHandle):
     def components(self) -> list[BufferKey]:
         """Every (layer, cache) buffer this request fills, in layer order."""
         return sorted(key for p in self.peers for key in p.keys)
+
+    @property
+    def prefill_ready(self) -> bool:
+        """Every prefill node of the request has computed it (always True without ``reserve``):
+        its pages may be allocated and sent (``init``) now."""
+        return self._prefill_ready
 
     @property
     def received(self) -> dict[str, int]:
@@ -155,10 +169,23 @@ class KVReceiver(RequestHandle):
 
     # ---- what its prefill nodes report (control thread, then verifier thread) ---------------
 
+    def prefill_ready_locked(self, peer: PrefillPeer, now: float) -> None:
+        """``peer`` has computed the request; once every prefill node has, the deadline runs
+        again from now (the prefill's computation does not eat the transfer's time)."""
+        if not self.reserved or self._prefill_ready or self.state.status in TERMINAL:
+            return
+        self._ready_from.add(peer.endpoint)
+        if len(self._ready_from) == len(self.peers):
+            self.state.deadline = now + self._context.request_timeout_s
+            self._prefill_ready = True
+
     def chunk_reported_locked(self, peer: PrefillPeer, done: protocol.ChunkDone, now: float) -> bool:
         """``peer``'s report of a chunk: True when it counts toward the request (an ok chunk of a
         request still running), which is then Transferring."""
         context = self._context
+        if not done.ok and self.page_ids is None:  # refused before any page was named
+            self.abort_locked(f"prefill {peer.endpoint}: {done.reason}", now, told=peer)
+            return False
         if not done.ok:  # the prefill's final word: none of its writes is still running...
             self.fence.confirmed(peer.endpoint, now, in_flight=done.in_flight,  # ...unless one may land
                                  grace_s=context.in_flight_grace_s)
@@ -246,12 +273,13 @@ class KVReceiver(RequestHandle):
 
     # ---- failure and release -----------------------------------------------------------------
 
-    def abort_locked(self, reason: str, now: float) -> None:
+    def abort_locked(self, reason: str, now: float, *, told: PrefillPeer | None = None) -> None:
+        """Fail the request and tell its prefill nodes (but ``told``, which refused it)."""
         if self.page_ids is None:  # nothing was asked of any prefill node: none can write, but
             if self._fail_locked(reason, now, release_after_s=0.0):  # each is told at once, so
                 self.fence.nothing_sent()  # that its sender does not wait for decode's pages
                 for peer in self.peers:
-                    if peer.alive:
+                    if peer.alive and peer is not told:
                         self._context.send(peer.socket,
                                            protocol.Abort(self.room, reason, before_pages=True))
             return

@@ -7,10 +7,10 @@
   (``handshake.transfer_set``: the layers it holds, the indexers decode holds and reads) with the
   ones that node announced; its ``Sessions`` keep each decode node's epochs and hold a new epoch's
   answer until none of the earlier epochs' writes can still run;
-- decode's requests (``RequestPages``, ``Abort``) and the application's ``KVSender`` calls go to
-  the request book (``requests``): a ``KVSender`` per request (room) takes the prefill's
-  page ids, in one or more chunks; once decode has sent its page ids for the room, each chunk
-  goes to the writer (``writer``: one lane per decode engine peer), which plans it
+- decode's requests (``RequestPages``, ``Abort``, ``Reserve``) and the application's
+  ``KVSender`` calls go to the request book (``requests``): a ``KVSender`` per request (room)
+  takes the prefill's page ids, in one or more chunks; once decode has sent its page ids for the
+  room, each chunk goes to the writer (``writer``: one lane per decode engine peer), which plans it
   (``plan.py``: every paired buffer, coalesced and bounds-checked), takes its page checksums when
   ``checksums`` is on (``checksums``) and writes it through the engine together with the
   other chunks queued for that peer;
@@ -21,6 +21,9 @@
   ``direct`` / ``staged``), and decode's ``SliceFree`` returns its slices.
 
 Requests decode announced that have no sender yet are offered to the application on ``incoming``.
+Deferred allocation: a decode node may reserve a request (``Reserve``) before it allocates its
+pages; the application's ``KVSender.prefill_complete`` tells it (``PrefillReady``) once the
+request's prefill has run, and a ``deferred`` sender's deadline starts only then.
 Aux buffers (``aux_buffers``: one slot per request in each) are paired with decode's by position; a
 request's aux slot travels with its last chunk. The node's tick drops silent decode nodes, expires
 requests, answers held handshakes and sends heartbeats.
@@ -47,7 +50,7 @@ from ..request import TERMINAL
 from ..staging import check_route
 from .checksums import ChunkChecksums
 from .outcomes import ChunkReporter
-from .records import DecodePeer, Destinations, IncomingRequest, KVSender
+from .records import DecodePeer, Destinations, IncomingRequest, KVSender, Reservation
 from .requests import RequestBook
 from .sessions import HelloResponder, Sessions
 from .stager import Stager
@@ -92,6 +95,7 @@ class PrefillNode:
         self._lock = threading.Lock()
         self._sessions = Sessions()
         self._destinations: dict[int, Destinations] = {}  # room -> where decode wants it
+        self._reservations: dict[int, list[Reservation]] = {}  # room -> decode nodes waiting
         self._responder = HelloResponder(name, self.layout, backend.name, self.buffers,
                                          self.aux_buffers, secret)
         self._page_sums = ChunkChecksums(pool, self.counters, enabled=checksums)
@@ -117,12 +121,13 @@ class PrefillNode:
                 raise OSError(f"cannot listen on {listen}: {exc}") from exc
             self.endpoint = f"{host}:{port}"
             self._reporter = ChunkReporter(name, self._lock, self.counters, self._destinations,
-                                           self._send)
+                                           self._send, self._reservations)
             self._writer = Writer(backend, name=name, timeout_s=write_timeout_s,
                                   checksums=self._page_sums, outcomes=self._reporter,
                                   routes=self._stager)
             self._requests = RequestBook(
-                name, self._lock, destinations=self._destinations, reporter=self._reporter,
+                name, self._lock, destinations=self._destinations,
+                reservations=self._reservations, reporter=self._reporter,
                 writer=self._writer, counters=self.counters, incoming=self.incoming,
                 aux_buffers=self.aux_buffers, request_timeout_s=request_timeout_s)
             self._runtime.start([self._socket])
@@ -134,8 +139,10 @@ class PrefillNode:
 
     # ---- application API -------------------------------------------------------------------
 
-    def sender(self, room: int) -> KVSender:
-        return self._requests.new_sender(room)
+    def sender(self, room: int, *, deferred: bool = False) -> KVSender:
+        """The request ``room``'s sender. ``deferred``: its prefill runs before decode allocates
+        (decode reserves the request); it has no deadline until ``KVSender.prefill_complete``."""
+        return self._requests.new_sender(room, deferred=deferred)
 
     def abort_all(self, reason: str) -> int:
         """Fail every request not finished yet, with ``reason`` (as its own ``abort``); how many."""
@@ -208,6 +215,8 @@ class PrefillNode:
                 self._requests.announced_locked(peer, message)
             elif isinstance(message, protocol.Abort):
                 self._requests.aborted_locked(peer, message)
+            elif isinstance(message, protocol.Reserve):
+                self._requests.reserved_locked(peer, message)
             elif not isinstance(message, protocol.Heartbeat):
                 raise protocol.ProtocolError(f"unexpected {type(message).__name__} from decode")
 

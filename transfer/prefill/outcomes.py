@@ -11,12 +11,15 @@ The reporter owns the prefill side's ``ChunkDone`` messages and the end of a req
   (``busy == 0``) and while decode's destination for it is on record: a destination dropped with
   its decode node is reported through that node's next handshake instead (the fence). With
   several decode nodes (``Destinations``), each is told, and the request succeeds once each
-  received its last chunk;
+  received its last chunk. Each decode node that only reserved the request (``Reservation``: no
+  page of its was named, no write can run) is refused at once;
 - ``refuse``: a request decode announced is refused before any sender is involved.
+- ``ready``: a decode node that reserved a request is told its prefill finished.
 
 Messages go through ``send`` (the control loop's thread-safe queue), so a lane reports without
 waiting for the loop's tick. The reporter never submits to the writer, and reads the node's
-``destinations`` table without changing it; methods named ``_locked`` expect the node's lock held.
+``destinations`` and ``reservations`` tables without changing them; methods named ``_locked``
+expect the node's lock held.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections.abc import Callable, Mapping
 from .. import protocol
 from ..counters import Counters
 from ..request import KVPoll
-from .records import DecodeDestination, DecodePeer, Destinations, KVSender
+from .records import DecodeDestination, DecodePeer, Destinations, KVSender, Reservation
 from .writer import Result
 
 log = logging.getLogger(__name__)
@@ -41,11 +44,13 @@ class ChunkReporter:
     """Reports chunks and failures to decode and counts them (see the module docstring)."""
 
     def __init__(self, name: str, lock: threading.Lock, counters: Counters,
-                 destinations: Mapping[int, Destinations], send: Send):
+                 destinations: Mapping[int, Destinations], send: Send,
+                 reservations: Mapping[int, list[Reservation]] | None = None):
         self.name = name
         self.counters = counters
         self._lock = lock
         self._destinations = destinations
+        self._reservations = reservations if reservations is not None else {}  # none: no deferral
         self._send = send
 
     def finish(self, result: Result) -> None:
@@ -76,8 +81,15 @@ class ChunkReporter:
 
     def report_failure_locked(self, sender: KVSender, *, in_flight: bool) -> None:
         """Tell each decode node once, when no write of ours into its pages is still running
-        (not one that received every chunk already: its request is whole)."""
+        (not one that received every chunk already: its request is whole); each decode node
+        that only reserved it, at once."""
         destinations = self._destinations.get(sender.room)
+        failed = sender.state.status == KVPoll.Failed
+        for reservation in self._reservations.get(sender.room, []) if failed else []:
+            announced = destinations is not None and destinations.of(reservation.peer) is not None
+            if not (reservation.refused or announced):
+                reservation.refused = True
+                self.refuse(reservation.peer, sender.room, sender.state.reason)
         if sender.reported or sender.busy or destinations is None:
             return
         sender.reported = True
@@ -94,6 +106,10 @@ class ChunkReporter:
         if tell:
             self._send(protocol.ChunkDone(room, 0, ok=False, last=True, reason=reason),
                        peer.identity)
+
+    def ready(self, peer: DecodePeer, room: int) -> None:
+        """Tell ``peer``, which reserved ``room``, that the request's prefill finished."""
+        self._send(protocol.PrefillReady(room), peer.identity)
 
     def _chunk_written_locked(self, sender: KVSender, destination: DecodeDestination,
                               result: Result, last: bool) -> None:

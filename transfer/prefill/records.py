@@ -4,6 +4,8 @@
   handshake, the rooms it announced since);
 - ``DecodeDestination``: where one decode node wants one request's pages (its peer, page ids,
   aux slot); ``Destinations``: every decode node one request goes to;
+- ``Reservation``: a decode node that holds a receiver for a request and waits to be told that
+  its prefill finished before it allocates its pages (deferred allocation);
 - ``IncomingRequest``: a request decode announced that has no sender yet, as the application
   is offered it on ``PrefillNode.incoming``;
 - ``Chunk``: a part of a request's prefill page ids, queued until decode's pages are known;
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -83,6 +86,17 @@ class Destinations:
         return [] if self.nothing_to_send else self.members
 
 
+@dataclass(eq=False)
+class Reservation:
+    """A decode node's ``Reserve`` of a request: it allocates its pages once told the request's
+    prefill finished (``told``), or gives up when refused (``refused``: the request failed)."""
+
+    peer: DecodePeer
+    received_at: float
+    told: bool = False
+    refused: bool = False
+
+
 @dataclass(frozen=True)
 class IncomingRequest:
     """A request (``room``) decode has allocated pages for, waiting for the application's sender."""
@@ -113,13 +127,20 @@ class SenderBook(Protocol):
 
     def abort(self, sender: KVSender, reason: str) -> None: ...
 
+    def prefill_complete(self, sender: KVSender) -> None: ...
+
 
 class KVSender(RequestHandle):
-    """One request on the prefill side (SGLang's BaseKVSender semantics)."""
+    """One request on the prefill side (SGLang's BaseKVSender semantics). A ``deferred`` one
+    (its prefill runs before decode allocates) has no deadline until ``prefill_complete``."""
 
-    def __init__(self, book: SenderBook, room: int, timeout_s: float):
+    def __init__(self, book: SenderBook, room: int, timeout_s: float, *, deferred: bool = False):
         super().__init__(room, timeout_s)
         self._book = book
+        self.deferred = deferred
+        if deferred:
+            self.state.deadline = math.inf
+        self.completed = False  # ``prefill_complete`` was called
         self.num_pages: int | None = None
         self.pages_sent = 0
         self.chunks_sent = 0
@@ -140,6 +161,12 @@ class KVSender(RequestHandle):
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         self._book.abort(self, reason)
+
+    def prefill_complete(self) -> None:
+        """The request's prefill has finished: its deadline runs from now, and each decode node
+        that reserved the request is told (``PrefillReady``; one that reserves later, on
+        arrival). Idempotent; never raises; tells nobody once the request failed."""
+        self._book.prefill_complete(self)
 
     def can_release(self) -> bool:
         """True once no write reading this request's pages can still be running."""

@@ -1,7 +1,7 @@
 """The prefill node's requests: each one's sender, its destination at decode, and its way to the
 writer.
 
-``RequestBook`` keeps three tables, all guarded by the node's lock:
+``RequestBook`` keeps four tables, all guarded by the node's lock:
 
 - ``destinations``: room -> where decode wants the request's pages (``Destinations``: one
   ``DecodeDestination`` per decode node that receives it), from decode's ``RequestPages`` until
@@ -11,20 +11,28 @@ writer.
   of it can still run;
 - ``lost_before_sender``: room -> why and when decode's destination was lost (its decode node was
   dropped, or decode gave the request up before sending its pages) before the application made
-  the request's sender: a sender made later fails at once.
+  the request's sender: a sender made later fails at once;
+- ``reservations``: room -> the decode nodes that hold a receiver for it and allocate their pages
+  only once told its prefill finished (``Reserve``, deferred allocation), until the request is
+  forgotten, refused, or their decode node gave it up or was dropped (shared with the
+  ``ChunkReporter``, which refuses them when the request fails).
 
 One request's path: the application makes its sender (``new_sender``), ``init``s it and
 ``send``s its page ids in chunks; decode announces its pages (``announced_locked``: every decode
 node that receives the request, when several do); once both are known, each queued chunk becomes
 a writer ``Job`` per decode node (``_dispatch_locked``), counted in ``KVSender.busy``; a request
 decode reads from another prefill rank (``nothing_to_send``) succeeds with its last chunk,
-writing nothing. What becomes of the job goes from the writer's lane to the ``ChunkReporter``,
-not back here; every failure and refusal is the reporter's too. Methods named ``_locked`` expect
-the node's lock held; the others take it.
+writing nothing. Deferred allocation: decode reserves the request first (``reserved_locked``),
+and the application's ``prefill_complete`` (``KVSender``) tells each reserving decode node
+(``PrefillReady``; one that reserves later, on arrival), which then announces its pages as
+above; a deferred sender's deadline runs only from ``prefill_complete``. What becomes of the job
+goes from the writer's lane to the ``ChunkReporter``, not back here; every failure and refusal
+is the reporter's too. Methods named ``_locked`` expect the node's lock held; the others take it.
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -38,7 +46,15 @@ from ..counters import Counters
 from ..plan import PlanError, as_page_ids, check_aux_index, check_destination
 from ..request import TERMINAL, KVPoll
 from .outcomes import ChunkReporter
-from .records import Chunk, DecodeDestination, DecodePeer, Destinations, IncomingRequest, KVSender
+from .records import (
+    Chunk,
+    DecodeDestination,
+    DecodePeer,
+    Destinations,
+    IncomingRequest,
+    KVSender,
+    Reservation,
+)
 from .writer import Job, Writer
 
 
@@ -85,13 +101,15 @@ class RequestBook:
     """The node's requests and their tables (see the module docstring)."""
 
     def __init__(self, name: str, lock: threading.Lock, *,
-                 destinations: dict[int, Destinations], reporter: ChunkReporter,
+                 destinations: dict[int, Destinations],
+                 reservations: dict[int, list[Reservation]], reporter: ChunkReporter,
                  writer: Writer, counters: Counters, incoming: queue.Queue[IncomingRequest],
                  aux_buffers: list[BufferDescriptor], request_timeout_s: float):
         self.name = name
         self.destinations = destinations
         self.senders: dict[int, KVSender] = {}
         self.lost_before_sender: dict[int, LostDestination] = {}
+        self.reservations = reservations
         self.aux_buffers = aux_buffers
         self.request_timeout_s = request_timeout_s
         self._lock = lock
@@ -102,11 +120,11 @@ class RequestBook:
 
     # ---- the application's calls (its thread) ----------------------------------------------
 
-    def new_sender(self, room: int) -> KVSender:
+    def new_sender(self, room: int, *, deferred: bool = False) -> KVSender:
         with self._lock:
             if room in self.senders:
                 raise ValueError(f"room {room} already has a sender")
-            sender = KVSender(self, room, self.request_timeout_s)
+            sender = KVSender(self, room, self.request_timeout_s, deferred=deferred)
             self.senders[room] = sender
             destinations = self.destinations.get(room)
             if destinations is not None and destinations.complete:
@@ -155,6 +173,24 @@ class RequestBook:
     def abort(self, sender: KVSender, reason: str) -> None:
         with self._lock:
             self._reporter.fail_locked(sender, reason)
+
+    def prefill_complete(self, sender: KVSender) -> None:
+        """``sender``'s prefill finished: its deadline runs from now, and each decode node that
+        reserved the request and was not told yet is told (once; a later one on arrival)."""
+        with self._lock:
+            if sender.completed:
+                return
+            sender.completed = True
+            if sender.state.status in TERMINAL or self.senders.get(sender.room) is not sender:
+                return  # failed (nobody is told), finished, or forgotten
+            sender.state.deadline = time.monotonic() + self.request_timeout_s
+            for reservation in self.reservations.get(sender.room, []):
+                self._tell_ready_locked(sender.room, reservation)
+
+    def _tell_ready_locked(self, room: int, reservation: Reservation) -> None:
+        if not (reservation.told or reservation.refused):
+            reservation.told = True
+            self._reporter.ready(reservation.peer, room)
 
     def _dispatch_locked(self, sender: KVSender) -> None:
         """Hand queued chunks to the writer, one job per decode node, once every decode node's
@@ -232,6 +268,43 @@ class RequestBook:
                 return
         self._dispatch_locked(sender)
 
+    def reserved_locked(self, peer: DecodePeer, reserve: protocol.Reserve) -> None:
+        """A decode node holds a receiver for ``room`` and waits to be told its prefill finished:
+        told now if it has, refused if the request failed or its destination was lost, else
+        recorded (a repeat of the same node's is ignored)."""
+        room = reserve.room
+        reservations = self.reservations.get(room, [])
+        if any(r.peer is peer for r in reservations):
+            return
+        sender = self._live_sender_locked(room)
+        lost = self.lost_before_sender.get(room)
+        if sender is not None and sender.state.status == KVPoll.Failed:
+            self._reporter.refuse(peer, room, sender.state.reason)
+            return
+        if sender is None and lost is not None:
+            self._reporter.refuse(peer, room, lost.reason)
+            return
+        reservation = Reservation(peer, time.monotonic())
+        self.reservations.setdefault(room, []).append(reservation)
+        if sender is not None and sender.completed:
+            self._tell_ready_locked(room, reservation)
+
+    def _live_sender_locked(self, room: int) -> KVSender | None:
+        """``room``'s sender, unless it succeeded: a reservation then is for the room's next
+        request."""
+        sender = self.senders.get(room)
+        return None if sender is None or sender.state.status == KVPoll.Success else sender
+
+    def _unreserve_locked(self, room: int, peer: DecodePeer) -> bool:
+        """Forget ``peer``'s reservation of ``room``; True if it had one."""
+        reservations = self.reservations.get(room, [])
+        kept = [r for r in reservations if r.peer is not peer]
+        if kept:
+            self.reservations[room] = kept
+        else:
+            self.reservations.pop(room, None)
+        return len(kept) != len(reservations)
+
     def _duplicate_locked(self, peer: DecodePeer, room: int, *, tell: bool) -> None:
         """A room announced again. From a decode node that does not receive it, the newcomer's
         request is the one refused. From one that does, it no longer knows which pages it meant:
@@ -248,6 +321,8 @@ class RequestBook:
         self._reporter.fail_locked(sender, f"duplicate room {room}")
 
     def aborted_locked(self, peer: DecodePeer, abort: protocol.Abort) -> None:
+        if abort.before_pages:  # its reservation, if any, goes first: it needs no refusal
+            self._unreserve_locked(abort.room, peer)
         destinations = self.destinations.get(abort.room)
         member = destinations is not None and destinations.of(peer) is not None
         if abort.before_pages and not member and (destinations is None
@@ -279,7 +354,17 @@ class RequestBook:
     def drop_peer_locked(self, peer: DecodePeer, reason: str, now: float) -> None:
         """Fail a dropped decode node's requests and forget its destinations; their senders
         are kept on the peer (``dropped_senders``) for the fence of its session's next Hello.
-        The request's other decode nodes, if any, are told as usual."""
+        The request's other decode nodes, if any, are told as usual. A room it only reserved
+        fails too (no write into it can run): its sender now, or at once when made."""
+        reserved = [room for room in list(self.reservations) if self._unreserve_locked(room, peer)]
+        for room in reserved:
+            if room in peer.rooms:  # announced as well: below
+                continue
+            sender = self.senders.get(room)
+            if sender is None:
+                self.lost_before_sender[room] = LostDestination(reason, now)
+            else:
+                self._reporter.fail_locked(sender, reason)
         for room in list(peer.rooms):
             sender = self.senders.get(room)
             if sender is None:  # offered on ``incoming``: a sender made later fails at once
@@ -292,7 +377,7 @@ class RequestBook:
             mine = destinations.of(peer) if destinations is not None else None
             if mine is not None:
                 self._leave_locked(room, mine)
-            if sender is not None and room in self.destinations:
+            if sender is not None:
                 self._reporter.report_failure_locked(sender, in_flight=False)
 
     def _leave_locked(self, room: int, destination: DecodeDestination) -> None:
@@ -319,23 +404,47 @@ class RequestBook:
         for sender in list(self.senders.values()):
             if sender.state.status not in TERMINAL and now > sender.state.deadline:
                 self._reporter.fail_locked(sender, f"timed out after {self.request_timeout_s:.0f}s")
-            if sender.can_release() and (sender.reported or now > sender.state.deadline
+            if sender.can_release() and (sender.reported or now > self._kept_until(sender)
                                          or sender.state.status == KVPoll.Success):
-                self._forget_locked(sender.room)
+                self._forget_locked(sender)
         if self.lost_before_sender:
             self.lost_before_sender = {room: lost for room, lost in self.lost_before_sender.items()
                                        if now - lost.at <= self.request_timeout_s}
 
+    def _kept_until(self, sender: KVSender) -> float:
+        """Until when a failed request nobody was told of stays on record (so that decode's
+        pages or reservation arriving later are refused): its deadline, or, for a deferred one
+        that failed before ``prefill_complete`` (no deadline), the timeout after its failure."""
+        if sender.state.deadline == math.inf and sender.state.finished_at is not None:
+            return sender.state.finished_at + self.request_timeout_s
+        return sender.state.deadline
+
     def refuse_unclaimed_locked(self, now: float) -> None:
-        """Refuse the requests decode announced that no sender claimed within the timeout."""
+        """Refuse the requests decode announced or reserved that no sender claimed within the
+        timeout."""
+        unclaimed = "no prefill request for this room"
         for room, destinations in list(self.destinations.items()):
             announced = destinations.members[0].received_at
             if room not in self.senders and now - announced > self.request_timeout_s:
-                self._drop_destinations_locked(room, "no prefill request for this room")
+                self._drop_destinations_locked(room, unclaimed)
+        for room, reservations in list(self.reservations.items()):
+            if room in self.senders:
+                continue
+            for reservation in reservations:
+                if now - reservation.received_at > self.request_timeout_s:
+                    self._unreserve_locked(room, reservation.peer)
+                    self._reporter.refuse(reservation.peer, room, unclaimed)
 
-    def _forget_locked(self, room: int) -> None:
-        """Drop a finished request; the application keeps its sender object and its state."""
+    def _forget_locked(self, sender: KVSender) -> None:
+        """Drop a finished request, and the reservations it saw; the application keeps its sender
+        object and its state."""
+        room = sender.room
         self.senders.pop(room, None)
         destinations = self.destinations.pop(room, None)
         for destination in destinations.members if destinations is not None else []:
             destination.peer.rooms.discard(room)
+        finished_at = sender.state.finished_at
+        later = [r for r in self.reservations.pop(room, []) if finished_at is not None
+                 and r.received_at > finished_at and sender.state.status == KVPoll.Success]
+        if later:  # for the room's next request
+            self.reservations[room] = later

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from sglang.srt.disaggregation.common.conn import PrefillServerInfo
 from sglang.srt.utils.network import NetworkAddress
 
+from .mixed import marked_policy
+
 KV_LAYOUT_MARK = "dsa-bridge"  # the kv_layout a dsa-bridge prefill registers: decode requires it
 BACKENDS = {"mooncake": ("sglang.srt.disaggregation.mooncake", "Mooncake"),
             "nixl": ("sglang.srt.disaggregation.nixl", "Nixl")}
@@ -56,7 +58,7 @@ def bootstrap_host(serving_host: str, dist_init_addr: str | None) -> str:
 
 
 def pairing_problems(info: PrefillServerInfo, *, page_size: int, kv_cache_dtype: str | None,
-                     attn_tp_size: int, pp_size: int = 1) -> list[str]:
+                     attn_tp_size: int, pp_size: int = 1, policy: str = "early") -> list[str]:
     """Why this decode rank cannot pair with the prefill whose parallel info is ``info``, each
     reason naming the flag to change; empty when it can."""
     problems = []
@@ -78,6 +80,10 @@ def pairing_problems(info: PrefillServerInfo, *, page_size: int, kv_cache_dtype:
     if info.attn_cp_size != 1:
         problems.append(f"attention CP: prefill {info.attn_cp_size} (dsa-bridge serves "
                         "--attn-cp-size 1)")
+    theirs = marked_policy(info.decode_allocation_policy) or "early"  # (unmarked: the default)
+    if info.kv_layout == KV_LAYOUT_MARK and theirs != policy:
+        problems.append(f"decode allocation policy: prefill {theirs}, decode {policy} (set "
+                        "--disaggregation-decode-allocation-policy identically on both servers)")
     if pp_size > 1 and info.pp_size != pp_size:
         problems.append(f"pipeline stages: prefill {info.pp_size}, decode {pp_size} (a decode with "
                         "pipeline stages needs the prefill's --pp-size; or give decode --pp-size 1)")

@@ -29,6 +29,11 @@ sglang's decode queue makes its HTTP calls on the manager's threads
 rebootstrap asks the prefill to compute it again (``submit_prefill_recompute``: ``POST /generate``
 at the HTTP port the prefill registered, once per request), a failure failing the request.
 
+With sglang's ``prefill_complete`` allocation policy (``defer_allocation``) prefill senders are
+deferred (no deadline until ``mark_prefill_complete``) and decode receivers reserve their request
+first, allocating once the prefill is ready; each prefill registers its policy (``policy_mark``)
+and decode refuses a prefill of the other one.
+
 Each buffer is registered as the memory its pointer is (``memory_kinds``); HiSparse on decode is
 refused at start-up. sglang's memory saver releases the cache through
 ``deregister_buffer_to_engine`` (running requests fail, the cache leaves the engines first) and
@@ -88,7 +93,7 @@ from .early_send import EarlySendDispatcher
 from .failures import TERMINAL
 from .kvargs import bridge_buffers, dsa_problem
 from .memory_kinds import hisparse_problem, kind_of, pointer_info
-from .mixed import DECODE_POLICY_MARK, PrefillAborts, marked_route_query
+from .mixed import PrefillAborts, marked_route_query, policy_mark
 from .paged_buffers import PagedBuffers
 from .phases import PhaseLimits
 from .pool import stage_start_layer
@@ -147,9 +152,7 @@ class DSABridgeKVManager(BaseKVManager):
         self._transport_logged = False
         limits = [name for name, on in (
             ("attention context parallelism (attn_cp_size > 1)", parallel.attn_cp_size > 1),
-            ("KV cache sharding", bool(parallel.enable_kv_cache_sharding)),
-            ("--disaggregation-decode-allocation-policy prefill_complete (use the default)",
-             get_disagg().disaggregation_decode_allocation_policy == "prefill_complete")) if on]
+            ("KV cache sharding", bool(parallel.enable_kv_cache_sharding))) if on]
         if limits:
             raise ValueError(f"dsa-bridge's transfer does not support {', '.join(limits)} (docs/sglang.md)")
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
@@ -164,6 +167,8 @@ class DSABridgeKVManager(BaseKVManager):
         self.pool = PagedBuffers(self.bridge.buffers, device)  # what the nodes take as their pool
         self.secret = auth.load_secret()  # DSA_BRIDGE_SECRET, the same on prefill and decode
         self.checksums = bool(get_disagg().disaggregation_enable_kv_checksum)  # both sides' flag
+        self.allocation_policy = get_disagg().disaggregation_decode_allocation_policy
+        self.defer_allocation = self.allocation_policy == "prefill_complete"  # (phases.py)
         self.phase_limits = PhaseLimits(  # sglang's per-phase bounds (phases.py)
             float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()),
             float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()))
@@ -316,7 +321,7 @@ class DSABridgeKVManager(BaseKVManager):
             "kv_cache_dtype": self.kv_args.kv_cache_dtype_str, "kv_layout": KV_LAYOUT_MARK,
             "load_balance_method": get_parallel().load_balance_method,
             "prefill_http_port": get_serving().port,
-            "decode_allocation_policy": DECODE_POLICY_MARK,  # sglang's own decode refuses it (mixed.py)
+            "decode_allocation_policy": policy_mark(self.allocation_policy),  # (mixed.py)
         }
         dist_init_addr = get_parallel().dist_init_addr
         bootstrap_port = get_disagg().disaggregation_bootstrap_port
@@ -416,7 +421,7 @@ class DSABridgeKVManager(BaseKVManager):
             problems = pairing_problems(
                 info, page_size=self.kv_args.page_size,
                 kv_cache_dtype=getattr(self.kv_args, "kv_cache_dtype_str", None),
-                attn_tp_size=self.attn_tp_size, pp_size=self.pp_size)
+                attn_tp_size=self.attn_tp_size, pp_size=self.pp_size, policy=self.allocation_policy)
         if problems:
             reason = f"dsa-bridge cannot pair with the prefill at {bootstrap_addr}: " + "; ".join(problems)
             if self.refused_prefills.get(bootstrap_addr) != reason:

@@ -10,7 +10,9 @@ decisions are pure; ``PrefillAborts`` is the one part with sockets and a thread.
   would wait for its waiting timeout. So a dsa-bridge prefill registers, as its
   ``decode_allocation_policy``, ``DECODE_POLICY_MARK``: sglang's decode receiver compares that
   field with its own policy at ``init`` and fails the request at once with sglang's "decode
-  allocation policy mismatch: prefill=<the mark>" (dsa-bridge's decode does not read it). The
+  allocation policy mismatch: prefill=<the mark>". The mark names the prefill's own policy
+  when it is not the default (``policy_mark``), which dsa-bridge's decode compares with its own
+  (``bringup.pairing_problems``). The
   prefill learns of such a decode from its bootstrap server: sglang's decode asks for the
   parallel info without ``ROUTE_MARK``, which dsa-bridge's decode adds (``foreign_route_query``),
   and ``ForeignDecodes`` counts and logs it once per decode host.
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 
 DECODE_POLICY_MARK = ("dsa-bridge (this prefill runs dsa-bridge's transfer: set "
                       "SGLANG_PLUGINS=dsa_bridge on the decode server too)")
+POLICIES = ("early", "prefill_complete")  # sglang's --disaggregation-decode-allocation-policy
 ROUTE_MARK = ("client", "dsa-bridge")  # a query parameter of dsa-bridge's decode's GET /route
 PARALLEL_INFO_QUERY = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 ABORT_TAG = b"ABORT"  # sglang's (common/conn.py): the first frame of a decode's abort notification
@@ -47,6 +50,18 @@ ABORT_TAG = b"ABORT"  # sglang's (common/conn.py): the first frame of a decode's
 ABORT_REPEATS_S = (0.0, 0.5, 1.5, 3.5)
 RANKS_TTL_S = 5.0  # a refused prefill's rank endpoints are looked up again after this (a restart)
 HTTP_TIMEOUT_S = 2.0
+
+
+def policy_mark(policy: str) -> str:
+    """What a dsa-bridge prefill registers as its ``decode_allocation_policy``: never one of
+    sglang's policies (sglang's own decode refuses it), naming the prefill's own policy when it
+    is not the default."""
+    return DECODE_POLICY_MARK if policy == "early" else f"{DECODE_POLICY_MARK} [{policy}]"
+
+
+def marked_policy(mark: str | None) -> str | None:
+    """The policy a dsa-bridge prefill's ``policy_mark`` names; None for another mark."""
+    return next((policy for policy in POLICIES if policy_mark(policy) == mark), None)
 
 
 def marked_route_query() -> str:

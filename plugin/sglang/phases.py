@@ -12,6 +12,13 @@ passes ``now``).
   ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` from ``send_metadata``; dsa-bridge's prefill uses the
   same bound from the moment decode's pages arrived (decode gives up on the request by then).
 
+With sglang's ``prefill_complete`` policy (decode allocates once prefill has computed the
+request) both start in **prefilling**: unbounded on prefill (sglang's prefill times nothing
+before ``mark_prefill_complete``: its queues and the client's abort end the request), on decode
+bounded by ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` (sglang's decode waits that long for the
+prefill's readiness); bootstrapping then starts at ``prefill_complete`` on prefill and at the
+readiness on decode.
+
 A request that waits long in one queue therefore keeps the whole bound of the next phase. The
 dsa-bridge node under the plugin keeps a request deadline of its own (a backstop, run by its
 tick while sglang does not poll): ``PhaseLimits.node_timeout_s``, the sum of both phases and a
@@ -25,9 +32,11 @@ from dataclasses import dataclass
 BOOTSTRAP_ENV = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"
 WAITING_ENV = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"
 NODE_MARGIN_S = 5.0  # the node's own deadline comes this long after the phases' latest one
-BOOTSTRAPPING, WAITING, DONE = "bootstrapping", "waiting", "done"
+PREFILLING, BOOTSTRAPPING, WAITING, DONE = "prefilling", "bootstrapping", "waiting", "done"
 
 WHAT = {  # (side, phase) -> what the request was waiting for
+    ("decode", PREFILLING): "the prefill did not finish computing it (sglang's prefill_complete "
+                            "policy: decode allocates its pages once it has)",
     ("prefill", BOOTSTRAPPING): "decode's pages did not arrive (sglang's prefill bootstrap queue)",
     ("prefill", WAITING): "decode's pages arrived but the transfer did not finish (sglang's "
                           "prefill queues, the forward, the write)",
@@ -52,21 +61,27 @@ class PhaseLimits:
 
 
 class PhaseClock:
-    """One request's phase and its deadline: ``advance`` when the next phase starts (once;
-    later calls change nothing), ``finish`` once terminal, ``expired(now)`` the reason once the
-    current phase has run past its bound (naming the phase and the variable to raise)."""
+    """One request's phase and its deadline: ``prefilled`` and ``advance`` when the next phase
+    starts (once; later calls change nothing), ``finish`` once terminal, ``expired(now)`` the
+    reason once the current phase has run past its bound (naming the phase and the variable to
+    raise). ``deferred``: sglang's ``prefill_complete`` policy, the first phase prefilling."""
 
-    def __init__(self, side: str, limits: PhaseLimits, now: float):
+    def __init__(self, side: str, limits: PhaseLimits, now: float, *, deferred: bool = False):
         if side not in ("prefill", "decode"):
             raise ValueError(f"side must be 'prefill' or 'decode', got {side!r}")
         self.side = side
         self.limits = limits
-        self.phase = BOOTSTRAPPING
+        self.phase = PREFILLING if deferred else BOOTSTRAPPING
         self.started = now
+
+    def prefilled(self, now: float) -> None:
+        """The prefill finished computing the request: bootstrapping starts ``now``."""
+        if self.phase == PREFILLING:
+            self.phase, self.started = BOOTSTRAPPING, now
 
     def advance(self, now: float) -> None:
         """Bootstrapping is over: the waiting phase starts ``now``."""
-        if self.phase == BOOTSTRAPPING:
+        if self.phase in (PREFILLING, BOOTSTRAPPING):
             self.phase, self.started = WAITING, now
 
     def finish(self) -> None:
@@ -75,6 +90,8 @@ class PhaseClock:
 
     @property
     def bound_s(self) -> float | None:
+        if self.phase == PREFILLING:  # sglang's prefill times nothing before it is complete
+            return self.limits.waiting_s if self.side == "decode" else None
         return {BOOTSTRAPPING: self.limits.bootstrap_s, WAITING: self.limits.waiting_s}.get(self.phase)
 
     @property

@@ -6,7 +6,9 @@ state_indices, decode_prefix_len, destination)`` (the pages after decode's radix
 prefix, which prefill then skips; a refused call tells prefill at once), ``poll()``
 (Failed, with the reason, once its prefill is refused), ``failure_exception()`` (sglang's
 ``KVTransferError``; a checksum failure in sglang's words, "KV checksum mismatch"),
-``abort()``, ``ensure_abort_notified()``, ``clear()``; ``fail_recompute(reason)`` when the
+``abort()``, ``ensure_abort_notified()``, ``clear()``. With sglang's ``prefill_complete`` policy it
+reserves the request at ``init`` and polls Bootstrapping until the prefill is ready
+(``prefill_ready``). ``fail_recompute(reason)`` when the
 manager's rebootstrap request to the prefill failed (``submit_prefill_recompute``).
 """
 
@@ -59,7 +61,8 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         self._failed: FailedRequest | None = None
         self._forced = False  # a forced release of its pages was counted
         self._recompute_failure: str | None = None  # set by the manager's HTTP thread
-        self._phases = PhaseClock("decode", mgr.phase_limits, time.monotonic())  # sglang's deadlines
+        self._phases = PhaseClock("decode", mgr.phase_limits, time.monotonic(),  # sglang's deadlines
+                                  deferred=mgr.defer_allocation)
 
     def _fail(self, reason: str, *, logged: bool = False) -> None:
         """Fail the request; ``logged`` when the manager already logged the reason (once for
@@ -68,6 +71,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
             if not logged:
                 log.warning("dsa-bridge: room %s failed: %s", self.bootstrap_room, reason)
             self._failed = FailedRequest(self.bootstrap_room, reason)
+            self.conclude_state = KVPoll.Failed  # (read by sglang's prefill_complete path)
             if self._receiver is not None:
                 self._receiver.abort(reason)
 
@@ -92,7 +96,8 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         self._node, self._group = connected
         self.kv_mgr.forget_released()  # a room of a cleared request may be free again
         try:
-            self._receiver = self._node.receiver(self.bootstrap_room, list(self._group.write))
+            self._receiver = self._node.receiver(self.bootstrap_room, list(self._group.write),
+                                                 reserve=self.kv_mgr.defer_allocation)
         except ValueError as exc:
             self._fail(f"prefill {self.bootstrap_addr} (dp {dp_rank}): {exc}")
             return
@@ -169,6 +174,9 @@ class DSABridgeKVReceiver(BaseKVReceiver):
             return KVPoll.Bootstrapping
         status = self._receiver.poll()
         if not self._metadata_sent and status != KVPoll.Failed:
+            if not self._receiver.prefill_ready:  # prefill_complete: allocate once it computed
+                return KVPoll.Bootstrapping
+            self._phases.prefilled(time.monotonic())
             return KVPoll.WaitingForInput  # connected: ready for the pages
         return int(status)
 

@@ -4,7 +4,8 @@
 (the DSA state indices, with the last chunk, must be the request's KV pages: one function
 derives the indexer pages), ``poll()``, ``poll_pp_consensus()`` (every stage's status, on
 pipeline stage 0), ``pop_decode_prefix_len()`` (decode's radix-cache prefix, from its pages),
-``failure_exception()`` raising, ``abort()``, ``clear()``. A chunk sglang sends early (its
+``failure_exception()`` raising, ``abort()``, ``clear()``, ``mark_prefill_complete()`` (sglang's
+``prefill_complete`` policy: decode may allocate now). A chunk sglang sends early (its
 ``_early_send_wait_event``) and the chunks after it wait in the manager's
 ``EarlySendDispatcher`` until the forward writing their pages finished (``early_send.py``).
 """
@@ -39,7 +40,8 @@ class DSABridgeKVSender(BaseKVSender):
         self.bootstrap_room = bootstrap_room
         self._sent: list[np.ndarray] = []
         self._early_send_wait_event = None  # sglang sets it before an early send (prefill.py)
-        self._phases = PhaseClock("prefill", mgr.phase_limits, time.monotonic())  # sglang's deadlines
+        self._phases = PhaseClock("prefill", mgr.phase_limits, time.monotonic(),  # sglang's deadlines
+                                  deferred=mgr.defer_allocation)
         self._failed: FailedRequest | None = None
         while not mgr.node.incoming.empty():  # rooms decode announced first: informational only
             mgr.node.incoming.get_nowait()
@@ -47,7 +49,7 @@ class DSABridgeKVSender(BaseKVSender):
             if mgr.memory_released:
                 raise ValueError("this rank's cache memory is released (sglang's "
                                  "release_memory_occupation, not resumed yet)")
-            self._sender = mgr.node.sender(bootstrap_room)
+            self._sender = mgr.node.sender(bootstrap_room, deferred=mgr.defer_allocation)
         except ValueError as exc:
             self._sender = None
             self._failed = FailedRequest(bootstrap_room, str(exc))
@@ -61,6 +63,14 @@ class DSABridgeKVSender(BaseKVSender):
         elif route.register:
             mgr.register_dp_rank(bootstrap_addr, bootstrap_room)
         mgr.track_stage_status(self)
+
+    def mark_prefill_complete(self) -> None:
+        """sglang's prefill finished computing the request (``prefill_complete`` policy, after
+        the last chunk's forward): decode may allocate its pages now (the node tells decode, at
+        once or when decode reserves the room), and the bootstrap phase starts."""
+        self._phases.prefilled(time.monotonic())
+        if self._sender is not None:
+            self._sender.prefill_complete()
 
     def pop_decode_prefix_len(self) -> int:
         """The request's first tokens decode holds already (its radix cache), as decode's pages

@@ -18,12 +18,15 @@ import zmq
 from dsa_bridge.plugin.sglang.mixed import (
     ABORT_REPEATS_S,
     DECODE_POLICY_MARK,
+    POLICIES,
     AbortSchedule,
     ForeignDecodes,
     PrefillAborts,
     abort_frames,
     foreign_route_query,
+    marked_policy,
     marked_route_query,
+    policy_mark,
     prefill_rank_queries,
 )
 
@@ -61,6 +64,14 @@ def test_the_registered_policy_tells_sglangs_decode_what_to_set():
     assert DECODE_POLICY_MARK.startswith("dsa-bridge")
     assert "set SGLANG_PLUGINS=dsa_bridge on the decode server too" in DECODE_POLICY_MARK
     assert DECODE_POLICY_MARK not in ("early", "prefill_complete")  # never equal to a real policy
+
+
+@pytest.mark.parametrize("policy", ["early", "prefill_complete"])
+def test_each_policy_has_its_own_mark_never_one_of_sglangs(policy):
+    mark = policy_mark(policy)
+    assert mark.startswith(DECODE_POLICY_MARK) and mark not in POLICIES
+    assert marked_policy(mark) == policy
+    assert marked_policy("early") is None and marked_policy(None) is None  # sglang's own prefill
 
 
 def test_abort_frames_are_sglangs_abort_without_a_return_address():

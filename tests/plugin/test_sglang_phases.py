@@ -11,6 +11,7 @@ from dsa_bridge.plugin.sglang.phases import (
     BOOTSTRAP_ENV,
     BOOTSTRAPPING,
     DONE,
+    PREFILLING,
     WAITING,
     WAITING_ENV,
     PhaseClock,
@@ -76,3 +77,29 @@ def test_the_node_deadline_comes_after_every_phase_deadline(bootstrap, waiting):
         clock.advance(switch)
         last = switch + waiting
         assert clock.expired(last) is not None and last < node_deadline
+
+
+def test_prefill_complete_prefill_is_untimed_until_complete_then_bootstraps_from_there():
+    """sglang's ``prefill_complete`` policy: the prefill times nothing before
+    ``mark_prefill_complete`` (its queues and aborts end the request), then its bootstrap
+    variable runs from the mark."""
+    clock = PhaseClock("prefill", LIMITS, now=0.0, deferred=True)
+    assert clock.phase == PREFILLING and clock.expired(10_000.0) is None
+    clock.prefilled(10_000.0)
+    assert clock.phase == BOOTSTRAPPING and clock.expired(10_299.9) is None
+    assert "bootstrapping (prefill)" in clock.expired(10_300.0)
+    clock.prefilled(10_200.0)  # once: a second call changes nothing
+    assert clock.started == 10_000.0
+
+
+def test_prefill_complete_decode_waits_for_the_prefill_within_the_waiting_variable():
+    clock = PhaseClock("decode", LIMITS, now=0.0, deferred=True)
+    assert clock.phase == PREFILLING and clock.expired(299.9) is None
+    reason = clock.expired(300.0)
+    assert reason.startswith("timed out after 300.0s prefilling (decode): the prefill did not "
+                             "finish computing it")
+    assert f"{WAITING_ENV}=300s" in reason
+    clock.prefilled(250.0)  # the prefill was ready: its pages may be allocated from here
+    assert clock.phase == BOOTSTRAPPING and clock.expired(549.9) is None
+    clock.advance(260.0)
+    assert clock.phase == WAITING and clock.expired(559.9) is None

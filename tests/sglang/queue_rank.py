@@ -31,13 +31,17 @@ the prefill's earlier bytes under sglang's ``set_buf`` of the same request); ``d
 (first: its queue sets up the process's gloo world): the request in sglang's own
 ``DecodePreallocQueue`` (``prealloc_rank``) until its handshake is done, then the client's abort
 as the scheduler aborts a prealloc-queue request (``kv_receiver.abort()``, scheduler.py ~5765),
-then the queue's steps until it removes the request.
+then the queue's steps until it removes the request; ``prefill-complete``
+(``run_decode_deferred``, sglang's ``prefill_complete`` policy on both sides: the prefill's
+forward comes ``forward_after_s`` late and calls ``mark_prefill_complete``): the request in
+sglang's own prealloc queue, ready for its pages only once the prefill finished computing it.
 """
 
 from __future__ import annotations
 
 import time
 from array import array
+from pathlib import Path
 from types import SimpleNamespace
 
 import tests.sglang.conftest as shims  # noqa: F401  (the shims, before sglang)
@@ -182,6 +186,9 @@ def run_prefill(cfg: dict, server_args) -> dict:
         server.close()
         return result
     result.update(metadata_slot=req.metadata_buffer_index, start_send_idx=req.start_send_idx)
+    if cfg.get("added_file"):  # decode's request is in its queue before this prefill computes it
+        wait_for(lambda: Path(cfg["added_file"]).exists(), 120, "decode's request")
+    time.sleep(cfg.get("forward_after_s", 0))  # the prefill's queue and its computation take time
     pages = forward(scheduler, req, cfg)
     result["pages"] = pages
     req.extend_end = 2 * PAGE + 30  # a first chunk ending mid-page: its whole pages go first
@@ -192,6 +199,9 @@ def run_prefill(cfg: dict, server_args) -> dict:
     req.output_ids.append(FIRST_TOKEN)  # process_batch_result_disagg_prefill, for the transfer:
     scheduler.checkpoint_disagg_prefill(req)
     scheduler.disagg_prefill_inflight_queue.append(req)
+    if cfg.get("policy") == "prefill_complete":
+        req.disagg_kv_sender.mark_prefill_complete()  # decode may allocate now
+        result["marked_at"] = time.time()
     if not req.pending_bootstrap:
         scheduler.send_kv_chunk(req, last_chunk=True)
     done, parked_steps = [], 0  # parked: prefilled before decode's pages arrived
@@ -281,18 +291,79 @@ def run_decode_abort(cfg: dict, server_args) -> dict:
     return result
 
 
+def run_decode_deferred(cfg: dict, server_args) -> dict:
+    """sglang's ``prefill_complete`` policy on decode: the request in sglang's own
+    ``DecodePreallocQueue`` (``prealloc_rank``), its steps until the queue marks it
+    ``waiting_for_input`` (only once the prefill finished computing it), then sglang's own
+    ``_send_kv_metadata`` and its ``poll_and_all_reduce`` to the end, the bytes compared."""
+    import torch
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import poll_and_all_reduce
+
+    pool, metadata = pd_rank.make_pool(cfg, bridge=True), pd_rank.metadata_buffers()
+    for view in [*pd_rank.views(pool).values(), *pd_rank.aux_views(metadata)]:
+        view.fill_(pd_rank.SENTINEL)
+    queue = prealloc_rank.prealloc_queue(cfg, server_args, pool, metadata)
+    addr = f"127.0.0.1:{cfg['port']}"
+    wait_for(lambda: queue.kv_manager.try_ensure_parallel_info(addr), 180, "prefill parallel info")
+    queue.add(prealloc_rank.make_req("deferred", cfg["port"], cfg["room"]))
+    (decode_req,) = queue.queue
+    Path(cfg["added_file"]).touch()  # the prefill computes the request only now
+    added, steps, polls, first_ready = time.monotonic(), 0, set(), 0.0
+    while not decode_req.waiting_for_input and time.monotonic() < added + 60:
+        if prealloc_rank.step(queue):
+            break  # removed: failed
+        steps += 1
+        if decode_req.kv_receiver is not None:
+            polls.add(int(decode_req.kv_receiver.poll()))
+            first_ready = first_ready or (KVPoll.WaitingForInput in polls and time.time())
+        time.sleep(0.005)
+    result = {"waiting_steps": steps, "ready_after_s": time.monotonic() - added,
+              "ready_at": first_ready or time.time(), "polls_before_ready": sorted(polls)}
+    if not decode_req.waiting_for_input:
+        finished = decode_req.req.finished_reason
+        result["reason"] = finished.message if finished else "never ready"
+        queue.kv_manager.shutdown()
+        return result
+    dst = cfg["dst_pages"]
+    tokens = torch.tensor([p * PAGE + t for p in dst for t in range(PAGE)], dtype=torch.int64)
+    queue._send_kv_metadata(decode_req, tokens, PAGE, state_indices=[dst])
+    receiver = decode_req.kv_receiver
+
+    def done() -> bool:
+        (poll,) = poll_and_all_reduce([receiver], queue.gloo_group)
+        return poll in (KVPoll.Success, KVPoll.Failed)
+
+    wait_for(done, 60, "the transfer's end")
+    result["poll"] = int(receiver.poll())
+    if receiver.poll() == KVPoll.Failed:
+        result["reason"] = pd_rank.reason_of(receiver)
+    else:
+        slot = decode_req.metadata_buffer_index
+        result.update(pd_rank.compare({**cfg, "dst_aux": slot}, pool, metadata, receiver))
+        want = pd_rank.aux_views(expected_aux(cfg))
+        result["aux_exact"] = all(bool((g[slot] == w[cfg["src_aux"]]).all())
+                                  for g, w in zip(pd_rank.aux_views(metadata), want, strict=True))
+    receiver.clear()
+    queue.kv_manager.shutdown()
+    return result
+
+
 def run(role: str, cfg: dict, server_args) -> dict:
     if role == "queue-prefill":
         return run_prefill(cfg, server_args)
     if cfg["scenario"] == "decode-abort":
         return run_decode_abort(cfg, server_args)
+    if cfg["scenario"] == "prefill-complete":
+        return run_decode_deferred(cfg, server_args)
     return run_decode_transfer(cfg, server_args)
 
 
 def main() -> None:
     pd_rank.run_scenarios(run, lambda role, cfg: {
         "disaggregation_mode": "prefill" if role == "queue-prefill" else "decode",
-        "optimistic_prefill_attempts": cfg.get("optimistic_attempts", 0) if role == "queue-prefill" else 0})
+        "optimistic_prefill_attempts": cfg.get("optimistic_attempts", 0) if role == "queue-prefill" else 0,
+        "disaggregation_decode_allocation_policy": cfg.get("policy", "early")})
 
 
 if __name__ == "__main__":

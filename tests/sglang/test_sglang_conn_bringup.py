@@ -41,6 +41,7 @@ from sglang.srt.utils.network import get_local_ip_auto  # noqa: E402
 
 from dsa_bridge.plugin.sglang import bringup, conn  # noqa: E402
 from dsa_bridge.plugin.sglang import manager as bridge_manager  # noqa: E402
+from dsa_bridge.plugin.sglang.mixed import policy_mark  # noqa: E402
 from dsa_bridge.plugin.sglang.pool import BridgeDSATokenToKVPool  # noqa: E402
 from dsa_bridge.transfer.backends import create_backend  # noqa: E402
 from dsa_bridge.transfer.prefill import PrefillNode  # noqa: E402
@@ -332,23 +333,47 @@ def test_prefill_registers_its_dp_rank_where_decode_must_ask_and_fails_a_conflic
                 manager.shutdown()
 
 
-# ---- shapes refused at start-up, by name ----------------------------------------------------------
+# ---- sglang's prefill_complete policy: served, and paired only with the same policy -----------------
 
-@pytest.mark.parametrize(("mode", "fields", "named"), [
-    ("decode", {"disaggregation_decode_allocation_policy": "prefill_complete"},
-     "--disaggregation-decode-allocation-policy prefill_complete"),
-    ("prefill", {"disaggregation_decode_allocation_policy": "prefill_complete"},
-     "--disaggregation-decode-allocation-policy prefill_complete"),
-])
-def test_a_shape_dsa_bridge_does_not_serve_is_refused_at_start_up_by_name(mode, fields, named):
-    """Refused when the manager is made (sglang's scheduler start-up), never at a request: with
-    ``prefill_complete`` sglang's prefill would call ``mark_prefill_complete``, which dsa-bridge's
-    sender does not have, at the first request."""
-    with published_context(disaggregation_mode=mode, disaggregation_transfer_backend="nixl",
-                           **fields) as sa:
-        args = kv_args(BridgeDSATokenToKVPool(**DSV32))
-        with pytest.raises(ValueError, match=f"does not support {named}"):
-            conn.DSABridgeKVManager(args, DisaggregationMode(mode), sa, True)
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_prefill_complete_is_served_from_start_up(mode, monkeypatch):
+    """``--disaggregation-decode-allocation-policy prefill_complete`` (sglang's own check allows
+    it with Mooncake, attention TP 1): the manager starts, deferring decode's allocation; a
+    prefill registers its policy, marked, for decode to compare."""
+    require_engine("mooncake")
+    monkeypatch.setenv("SGLANG_HOST_IP", "127.0.0.1")
+    with (bootstrap_server() as port,
+          published_context(disaggregation_mode=mode, disaggregation_transfer_backend="mooncake",
+                            disaggregation_bootstrap_port=port, host="127.0.0.1",
+                            disaggregation_decode_allocation_policy="prefill_complete") as sa):
+        manager = conn.DSABridgeKVManager(kv_args(BridgeDSATokenToKVPool(**DSV32)),
+                                          DisaggregationMode(mode), sa, True)
+        try:
+            assert manager.defer_allocation
+            if mode == "prefill":
+                info = requests.get(f"http://127.0.0.1:{port}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
+                                    "&target_tp_rank=-1&target_pp_rank=-1", timeout=5).json()
+                assert info["decode_allocation_policy"] == policy_mark("prefill_complete")
+        finally:
+            manager.shutdown()
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [("early", "prefill_complete"),
+                                                 ("prefill_complete", "early")])
+def test_decode_refuses_a_prefill_of_another_allocation_policy_naming_the_flag(prefill, decode):
+    info = PrefillServerInfo(attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=1, page_size=64,
+                             kv_cache_dtype="fp8_e4m3", follow_bootstrap_room=True, kv_layout="dsa-bridge",
+                             decode_allocation_policy=policy_mark(prefill))
+    problems = bringup.pairing_problems(info, page_size=64, kv_cache_dtype="fp8_e4m3", attn_tp_size=1,
+                                        policy=decode)
+    assert problems == [f"decode allocation policy: prefill {prefill}, decode {decode} (set "
+                        "--disaggregation-decode-allocation-policy identically on both servers)"]
+    info.decode_allocation_policy = policy_mark(decode)
+    assert bringup.pairing_problems(info, page_size=64, kv_cache_dtype="fp8_e4m3", attn_tp_size=1,
+                                    policy=decode) == []
+    info.decode_allocation_policy = "early"  # no mark (sglang's default): a prefill of the default
+    assert bool(bringup.pairing_problems(info, page_size=64, kv_cache_dtype="fp8_e4m3", attn_tp_size=1,
+                                         policy=decode)) == (decode != "early")
 
 
 # ---- decode pipeline stages: the stage's layers from its pool ---------------------------------------

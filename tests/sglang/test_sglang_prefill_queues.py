@@ -44,17 +44,20 @@ SCENARIOS = {  # decode's abort first: its prealloc queue sets up the process's 
     "prefill-abort": {"prefill_abort_after_s": 0.5, "metadata_after_s": 2.0, "linger_s": 5.0},
     "transfer": {},
     "optimistic": {"optimistic_attempts": 1, "metadata_after_s": 1.0},
+    "prefill-complete": {"policy": "prefill_complete", "optimistic_attempts": 1, "forward_after_s": 1.0},
 }
 SRC_PAGES = [3, 4, 5, 6, 7]  # sglang's paged allocator, after another request's pages 1-2
 
 
 @pytest.fixture(scope="module")
-def queues():
+def queues(tmp_path_factory):
     """engine -> {scenario: (prefill result, decode result)}, one process pair per engine."""
 
     def run(engine: str):
+        files = tmp_path_factory.mktemp(engine)
         cfgs = [config(engine, MODEL, scenario=name, src_pages=SRC_PAGES, port=free_port(),
-                       dist_port=free_port(), bootstrap_wait_s=120, **extra)
+                       dist_port=free_port(), bootstrap_wait_s=120, **extra,
+                       **({"added_file": str(files / name)} if "policy" in extra else {}))
                 for name, extra in SCENARIOS.items()]
         decode_cfgs = [{**cfg, "dist_port": free_port()} for cfg in cfgs]
         prefill, decode = run_ranks([("queue-prefill", cfgs), ("queue-decode", decode_cfgs)])
@@ -124,3 +127,25 @@ def test_a_prefill_abort_in_the_bootstrap_queue_fails_decode_with_the_reason(que
     assert prefill["slots_free"] and prefill["pages_free"]
     assert decode["poll"] == 0 and decode["reason"].endswith("aborted by sglang")
     assert decode["ended_after_s"] < 10  # told, not waiting out its timeout
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_prefill_complete_decode_allocates_only_once_the_prefill_computed_the_request(queues, engine):
+    """``--disaggregation-decode-allocation-policy prefill_complete`` on both servers (sglang
+    itself allows it on Mooncake only): decode's request waits in sglang's own prealloc queue,
+    Bootstrapping, unallocated, while the prefill computes it (popped at once, optimistic); the
+    prefill's ``mark_prefill_complete`` lets decode allocate and send its pages, and the parked
+    request then moves byte-exact."""
+    prefill, decode = queues(engine)["prefill-complete"]
+    assert prefill["bootstrapping_steps"] == 0 and prefill["popped"] == 1  # computed at once
+    assert prefill["poll_after_bootstrap"] == 1  # still Bootstrapping: no pages from decode
+    assert decode["polls_before_ready"] in ([1], [1, 2]) and decode["waiting_steps"] > 10
+    assert decode["ready_at"] >= prefill["marked_at"]  # ready for its pages only after the mark
+    assert decode["ready_after_s"] >= 1.0  # the prefill computed it for a second meanwhile
+    assert prefill["parked_steps"] > 0  # then parked until decode's pages came
+    assert prefill["done"] == prefill["streamed"] and prefill["poll"] == 4
+    assert prefill["pages_released"] and prefill["slot_released"] and prefill["row_released"]
+    assert decode["poll"] == 4, decode.get("reason")
+    assert decode["mismatched"] == [] and decode["others_sentinel"]
+    assert decode["aux_exact"] and decode["aux_others_sentinel"]
+    assert decode["nbytes"] == prefill["bytes"]

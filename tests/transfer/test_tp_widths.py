@@ -22,27 +22,11 @@ from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request,
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import TERMINAL, KVPoll
 
-from ..conftest import clear_engine_environment, require_engine
 from .helpers import make_pool, wait_for
 from .test_nodes import aux_tensors, infos
 
 PAGE = 64
 SRC = np.array([9, 3, 4, 5, 17])
-
-
-@pytest.fixture(params=["mooncake", "nixl"])
-def engine(request, monkeypatch):
-    require_engine(request.param)
-    clear_engine_environment(monkeypatch)
-    return request.param
-
-
-@pytest.fixture
-def made():
-    nodes = []
-    yield nodes
-    for node in reversed(nodes):
-        node.close()
 
 
 def prefill_node(engine, made, aux=None):

@@ -118,9 +118,10 @@ def rebootstrap(http_port: int | None, *, status: int = 200, attn_tp_rank: int =
                 queue = SimpleNamespace(kv_manager=manager)
                 DecodePreallocQueue._submit_prefill_recompute(
                     queue, DecodeRequest(req=req, kv_receiver=receiver, is_rebootstrap=True))
+                failing = status >= 400 or http_port is None
                 if attn_tp_rank == 0:
-                    wait_for(lambda: receiver.poll() == KVPoll.Failed or prefill.bodies, 30,
-                             "the rebootstrap's outcome")
+                    wait_for(lambda: receiver.poll() == KVPoll.Failed if failing else prefill.bodies,
+                             30, "the rebootstrap's outcome")
                 time.sleep(0.5)  # what else would come (a second POST, a late failure) has come
                 poll, message = int(receiver.poll()), None
                 if poll == KVPoll.Failed:

@@ -137,7 +137,6 @@ class KVSender(RequestHandle):
     def __init__(self, book: SenderBook, room: int, timeout_s: float, *, deferred: bool = False):
         super().__init__(room, timeout_s)
         self._book = book
-        self.deferred = deferred
         if deferred:
             self.state.deadline = math.inf
         self.completed = False  # ``prefill_complete`` was called

@@ -73,3 +73,13 @@ def test_nixl_without_a_usable_ucx_transport_is_unavailable() -> None:
 def test_mooncake_refuses_a_host_name() -> None:
     with pytest.raises(BackendError, match="numeric IPv4"):
         create_backend("mooncake", host="localhost")
+
+
+@pytest.mark.parametrize("options", [{"max_batch": 0}, {"batches_in_flight": 0},
+                                     {"max_batch": 1024, "batches_in_flight": 3},
+                                     {"max_batch": 2049, "batches_in_flight": 1}])
+def test_mooncake_refuses_more_entries_in_flight_than_a_peer_takes(options: dict) -> None:
+    """Over 2048 entries in flight to one peer, Mooncake fails a batch with part of it written
+    or stalls to its transfer timeout (measured): refused before an engine starts."""
+    with pytest.raises(BackendError, match="must be between 1 and 2048"):
+        create_backend("mooncake", **options)

@@ -36,6 +36,22 @@ def test_many_dsa_runs_land_byte_exact(connected) -> None:
     assert peer.ask("digest") == sha(expected), first_difference(peer, expected)
 
 
+@pytest.mark.parametrize("max_batch, in_flight", [(1024, 2), (512, 4), (7, 3)])
+def test_mooncake_batches_in_flight_land_byte_exact(connected, monkeypatch, max_batch: int,
+                                                    in_flight: int) -> None:
+    """3000 runs in batches queued ahead of the one on the wire, up to the peer's 2048-entry
+    bound (1024 x 2, 512 x 4) and in many small batches: every byte lands, nothing else."""
+    local, peer, handle = connected
+    if local.backend.name != "mooncake":
+        pytest.skip("batches in flight are Mooncake's")
+    monkeypatch.setattr(local.backend, "max_batch", max_batch)
+    monkeypatch.setattr(local.backend, "batches_in_flight", in_flight)
+    src, dst, length = dsa_runs(np.random.default_rng(4), 3000, local, peer)
+    local.backend.write(handle, src, dst, length, timeout_s=30)
+    expected = oracle(local, peer, src, dst, length)
+    assert peer.ask("digest") == sha(expected), first_difference(peer, expected)
+
+
 def test_adjacent_runs_land_byte_exact(connected) -> None:
     """Runs adjacent on both sides (which NIXL's prepped path merges) and mixed with a gap."""
     local, peer, handle = connected
@@ -212,4 +228,5 @@ def test_nixl_metadata_with_a_corrupt_agent_part_is_refused(local, peer) -> None
         pytest.skip("Mooncake's metadata is a session id: covered by the test above")
     with pytest.raises(BackendError, match="add_remote_agent.*nixl"):
         local.backend.connect(peer.metadata[:-40])
+
 

@@ -5,6 +5,9 @@ prefill that could not be reached.
 - ``backend_of`` / ``sglang_class``: the configured transfer backend, and sglang's own class of it
   (the fallback for pools that are not DSA pools);
 - ``bootstrap_host``: the host sglang's ``register_to_bootstrap`` would register;
+- ``cp_problems``: the attention context parallelism (CP) a rank refuses at start-up, by name;
+  ``dummy_cp_rank``: whether a prefill CP rank writes nothing (sglang's ``is_dummy_cp_rank``);
+  ``target_cp_ranks``: which prefill CP ranks a decode rank reads from;
 - ``pairing_problems``: why a decode rank cannot pair with a prefill, each reason naming the flag
   to change (empty when it can);
 - ``tp_targets``: which prefill attention-TP ranks a decode rank reads from and tells it has
@@ -57,6 +60,59 @@ def bootstrap_host(serving_host: str, dist_init_addr: str | None) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(serving_host, serving_host)
 
 
+ALL_CP_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
+KV_SHARDING_PROBLEM = ("--enable-kv-cache-sharding: each rank holds a share of the pages, and "
+                       "dsa-bridge moves a cache every rank holds whole")
+
+
+def cp_problems(*, prefill: bool, attn_cp_size: int, all_cp_ranks: bool = False,
+                layer_split: bool = False, kv_sharding: bool = False,
+                cp_tp_group_sharing: bool = False) -> list[str]:
+    """Why a rank refuses to start, by its context parallelism (attention CP), each reason naming
+    the flag or variable to change; empty when it is served. Served on prefill, any
+    ``--attn-cp-size``: sglang's default for DSA pools, every CP rank holding the whole KV and
+    indexer (prefill CP all-gathers before writing the pool), CP rank 0 writing every request and
+    the others ending it writing nothing (``dummy_cp_rank``); and ``layer_split``
+    (``--enable-dsa-cache-layer-split``), each CP rank holding and writing its own layers, as
+    pipeline stages do. Refused: a split of each request's pages over the CP ranks
+    (``all_cp_ranks``: sglang's ``ALL_CP_RANKS_ENV``, without layer split), ``kv_sharding``,
+    CP-TP group sharing, and CP on decode (sglang's own decode asserts CP 1)."""
+    problems = []
+    if kv_sharding:
+        problems.append(KV_SHARDING_PROBLEM + " (remove it)")
+    if not prefill:
+        if attn_cp_size > 1:
+            problems.append(f"--attn-cp-size {attn_cp_size} on decode: sglang serves attention "
+                            "context parallelism on prefill only (give decode --attn-cp-size 1)")
+        return problems
+    if attn_cp_size == 1:
+        return problems
+    if all_cp_ranks and not layer_split:  # (sglang ignores it under layer split)
+        problems.append(f"{ALL_CP_RANKS_ENV}=1: each prefill CP rank would write its share of a "
+                        "request's pages, and dsa-bridge's CP rank 0 writes the whole request (every "
+                        f"CP rank holds the same KV; unset {ALL_CP_RANKS_ENV})")
+    if cp_tp_group_sharing:
+        problems.append("CP-TP group sharing (sglang's enable_cp_tp_group_sharing, derived from the "
+                        "model under --enable-prefill-cp): each CP rank holds a share of the state, "
+                        "which dsa-bridge does not move (give prefill --attn-cp-size 1)")
+    return problems
+
+
+def dummy_cp_rank(attn_cp_size: int, attn_cp_rank: int, layer_split: bool = False) -> bool:
+    """Whether a prefill rank writes nothing of any request, as sglang's ``is_dummy_cp_rank`` in
+    sglang's default CP mode (``cp_problems``): every CP rank but 0 (with layer split, none).
+    Its senders reach WaitingForInput at once and Success with the request's last chunk; decode
+    never reads from it."""
+    return attn_cp_size > 1 and attn_cp_rank != 0 and not layer_split
+
+
+def target_cp_ranks(prefill_cp_size: int, layer_split: bool) -> tuple[int, ...]:
+    """The prefill CP ranks a decode rank reads from, as sglang's ``_resolve_rank_mapping``: CP
+    rank 0 (the others are dummy senders), or with layer split every CP rank (each writes its
+    own layers, as a pipeline stage)."""
+    return tuple(range(prefill_cp_size)) if layer_split else (0,)
+
+
 def pairing_problems(info: PrefillServerInfo, *, page_size: int, kv_cache_dtype: str | None,
                      attn_tp_size: int, pp_size: int = 1, policy: str = "early") -> list[str]:
     """Why this decode rank cannot pair with the prefill whose parallel info is ``info``, each
@@ -77,9 +133,8 @@ def pairing_problems(info: PrefillServerInfo, *, page_size: int, kv_cache_dtype:
         problems.append(f"attention-TP widths: prefill {info.attn_tp_size}, decode {attn_tp_size}, "
                         "neither a multiple of the other (give the servers --tp-size / "
                         "(--attn-dp-size x --attn-cp-size) that divide each other)")
-    if info.attn_cp_size != 1:
-        problems.append(f"attention CP: prefill {info.attn_cp_size} (dsa-bridge serves "
-                        "--attn-cp-size 1)")
+    if info.enable_kv_cache_sharding:
+        problems.append(KV_SHARDING_PROBLEM + " (remove it from the prefill)")
     theirs = marked_policy(info.decode_allocation_policy) or "early"  # (unmarked: the default)
     if info.kv_layout == KV_LAYOUT_MARK and theirs != policy:
         problems.append(f"decode allocation policy: prefill {theirs}, decode {policy} (set "

@@ -25,10 +25,12 @@ abort holds its pages in the fence until no write can land), raising ``is_from_a
 
 Senders and receivers built over a sglang manager (the non-DSA fallback) are sglang's own.
 Limits (refused with a message naming the flag to change, see docs/sglang.md): attention-TP
-widths that divide each other, attention CP 1, no KV sharding, decode pipeline stages 1 or the
-prefill's (prefill DP ranks are registered for decode's query where it cannot compute them:
-``dp_route``), device destinations only, decode
-radix-cache prefixes of whole pages (as sglang's radix cache makes them).
+widths that divide each other, attention CP on prefill only (CP rank 0 writes and the other CP
+ranks are dummy senders, or with layer split each writes its layers; no page split over the CP
+ranks: ``bringup.cp_problems``), no KV sharding, decode pipeline stages 1 or the prefill's
+(prefill DP ranks are registered for decode's query where it cannot compute them:
+``dp_route``), device destinations only, decode radix-cache prefixes of whole pages (as sglang's
+radix cache makes them).
 """
 
 from __future__ import annotations

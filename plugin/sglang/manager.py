@@ -20,6 +20,13 @@ prefill it cannot pair with (``pairing_problems``) is refused, never raised:
 ``try_ensure_parallel_info`` answers False, logs the reason once, and that prefill's
 receivers fail with it. A node that failed to connect is retried with backoff
 (``PeerBackoff``), its requests failing at once meanwhile.
+With attention context parallelism on prefill (``--attn-cp-size``), every CP rank holds the whole
+cache and registers its CP rank; CP rank 0 writes every request and the others are dummy senders
+(``is_dummy_cp_rank``, sglang's name), which decode never connects to: it reads CP rank 0 of its
+``tp_targets``. With ``--enable-dsa-cache-layer-split`` each CP rank holds its own layers (its
+KVArgs name them as a pipeline stage's: ``prefill_start_layer``) and writes them, and decode
+reads every CP rank as it reads stages (``target_cp_ranks``). The other CP modes are refused at
+start-up (``cp_problems``) and, from the prefill's parallel info, by decode (``pairing_problems``).
 KVArgs that are not a DSA pool (``kvargs.dsa_problem``) get sglang's own manager of the
 configured backend instead (logged): sglang's ``get_kv_class`` does not know the model, its
 KVArgs do.
@@ -83,9 +90,12 @@ from .bringup import (
     PrefillGroup,
     backend_of,
     bootstrap_host,
+    cp_problems,
+    dummy_cp_rank,
     engine_options,
     pairing_problems,
     sglang_class,
+    target_cp_ranks,
     target_stages,
     tp_targets,
 )
@@ -150,12 +160,21 @@ class DSABridgeKVManager(BaseKVManager):
             forced_tcp=os.environ.get("MC_FORCE_TCP") == "1",
             rdma_present=bool(rdma_devices(ib_devices or "")))
         self._transport_logged = False
-        limits = [name for name, on in (
-            ("attention context parallelism (attn_cp_size > 1)", parallel.attn_cp_size > 1),
-            ("KV cache sharding", bool(parallel.enable_kv_cache_sharding))) if on]
-        if limits:
-            raise ValueError(f"dsa-bridge's transfer does not support {', '.join(limits)} (docs/sglang.md)")
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
+        self.attn_cp_size, self.attn_cp_rank = parallel.attn_cp_size, parallel.attn_cp_rank
+        problems = cp_problems(
+            prefill=prefill, attn_cp_size=self.attn_cp_size,
+            all_cp_ranks=bool(envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.get()),
+            layer_split=bool(parallel.enable_dsa_cache_layer_split),
+            kv_sharding=bool(parallel.enable_kv_cache_sharding),
+            cp_tp_group_sharing=bool(parallel.enable_cp_tp_group_sharing))
+        if problems:
+            raise ValueError("dsa-bridge's transfer does not serve " + "; ".join(problems)
+                             + " (docs/sglang.md)")
+        # sglang's default CP mode: a prefill CP rank other than 0 writes nothing, its senders end
+        # without decode (with layer split every CP rank writes its layers)
+        self.is_dummy_cp_rank = prefill and dummy_cp_rank(
+            self.attn_cp_size, self.attn_cp_rank, bool(parallel.enable_dsa_cache_layer_split))
         start = (getattr(args, "prefill_start_layer", 0) or 0) if prefill else self._stage_start(args)
         problem = hisparse_problem(not prefill, bool(get_memory().enable_hisparse))
         if problem:
@@ -313,7 +332,7 @@ class DSABridgeKVManager(BaseKVManager):
         host, port = self.node.endpoint.rsplit(":", 1)
         payload = {
             "attn_tp_size": self.attn_tp_size, "attn_tp_rank": self.attn_tp_rank,
-            "attn_cp_size": 1, "attn_cp_rank": 0,
+            "attn_cp_size": self.attn_cp_size, "attn_cp_rank": self.attn_cp_rank,
             "attn_dp_size": self.attn_dp_size, "attn_dp_rank": self.attn_dp_rank,
             "pp_size": self.pp_size, "pp_rank": self.pp_rank,
             "system_dp_size": self.system_dp_size, "system_dp_rank": self.system_dp_rank,
@@ -322,6 +341,8 @@ class DSABridgeKVManager(BaseKVManager):
             "load_balance_method": get_parallel().load_balance_method,
             "prefill_http_port": get_serving().port,
             "decode_allocation_policy": policy_mark(self.allocation_policy),  # (mixed.py)
+            "enable_dsa_cache_layer_split": bool(get_parallel().enable_dsa_cache_layer_split),
+            "enable_kv_cache_sharding": bool(get_parallel().enable_kv_cache_sharding),
         }
         dist_init_addr = get_parallel().dist_init_addr
         bootstrap_port = get_disagg().disaggregation_bootstrap_port
@@ -341,7 +362,9 @@ class DSABridgeKVManager(BaseKVManager):
         if response.status_code != 200:
             raise RuntimeError(f"dsa-bridge: the bootstrap server at {url} refused this prefill rank: "
                                f"{response.status_code} {response.text}")
-        log.info("dsa-bridge: prefill rank %s registered at %s", self.node.endpoint, url)
+        log.info("dsa-bridge: prefill rank %s registered at %s%s", self.node.endpoint, url,
+                 f" as attention CP rank {self.attn_cp_rank} of {self.attn_cp_size}, writing nothing "
+                 "(CP rank 0 writes every request)" if self.is_dummy_cp_rank else "")
 
     # ---- prefill: the pipeline stages' consensus ---------------------------------------------
     def _start_stage_consensus(self, pp_group) -> None:
@@ -513,13 +536,14 @@ class DSABridgeKVManager(BaseKVManager):
         """Why the prefill at ``bootstrap_addr`` was refused; None when it was not."""
         return self.refused_prefills.get(bootstrap_addr)
 
-    def _rank_endpoint(self, bootstrap_addr: str, dp_rank: int, tp_rank: int, pp_rank: int) -> str:
-        url = (f"http://{bootstrap_addr}/route?prefill_dp_rank={dp_rank}&prefill_cp_rank=0"
+    def _rank_endpoint(self, bootstrap_addr: str, dp_rank: int, cp_rank: int, tp_rank: int,
+                       pp_rank: int) -> str:
+        url = (f"http://{bootstrap_addr}/route?prefill_dp_rank={dp_rank}&prefill_cp_rank={cp_rank}"
                f"&target_tp_rank={tp_rank}&target_pp_rank={pp_rank}")
         response = requests.get(url, timeout=HTTP_TIMEOUT_S)
         if response.status_code != 200:
             raise HandshakeError(f"bootstrap server {bootstrap_addr} has no prefill rank dp {dp_rank} "
-                                 f"tp {tp_rank} pp {pp_rank}: {response.status_code} "
+                                 f"cp {cp_rank} tp {tp_rank} pp {pp_rank}: {response.status_code} "
                                  f"{response.text}")
         rank = response.json()
         return NetworkAddress(rank["rank_ip"], int(rank["rank_port"])).to_host_port_str()
@@ -625,13 +649,17 @@ class DSABridgeKVManager(BaseKVManager):
 
     def _group(self, bootstrap_addr: str, dp_rank: int) -> PrefillGroup:
         """The ranks of DP group ``dp_rank`` this rank talks to, as sglang maps attention-TP
-        ranks between two widths (``tp_targets``) and pipeline stages (``target_stages``)."""
+        ranks between two widths (``tp_targets``), attention-CP ranks (``target_cp_ranks``: CP
+        rank 0, or with layer split each CP rank, its layers written as a pipeline stage's) and
+        pipeline stages (``target_stages``)."""
         info = self.prefill_info_table[bootstrap_addr]
         targets = tp_targets(self.attn_tp_rank, self.attn_tp_size, info.attn_tp_size)
+        cp_ranks = target_cp_ranks(info.attn_cp_size, bool(info.enable_dsa_cache_layer_split))
         pp_ranks = target_stages(self.pp_rank, self.pp_size, info.pp_size)
 
         def stages(tp_rank: int) -> list[str]:
-            return [self._rank_endpoint(bootstrap_addr, dp_rank, tp_rank, pp) for pp in pp_ranks]
+            return [self._rank_endpoint(bootstrap_addr, dp_rank, cp, tp_rank, pp)
+                    for cp in cp_ranks for pp in pp_ranks]
 
         return PrefillGroup(tuple(stages(targets.source)),
                             tuple(e for tp in targets.idle for e in stages(tp)), targets.copies)
@@ -703,8 +731,10 @@ class DSABridgeKVManager(BaseKVManager):
         """Whether sglang's own digest from the prefill at ``bootstrap_addr`` covers the bytes this
         rank holds: True for a prefill dsa-bridge paired with (an MLA pool is whole on every
         attention-TP rank, so the rank that writes holds the same pages; another layout is told
-        apart by sglang's own layout signature)."""
-        return bootstrap_addr in self.prefill_info_table
+        apart by sglang's own layout signature). Not for a prefill with attention-CP layer split:
+        the digest in the aux slot covers only the layers of the CP rank that wrote it."""
+        info = self.prefill_info_table.get(bootstrap_addr)
+        return info is not None and not (info.attn_cp_size > 1 and info.enable_dsa_cache_layer_split)
 
     def count_forced_release(self, room: int, how: str) -> None:
         self.forced_releases += 1

@@ -8,6 +8,11 @@ pipeline stage 0), ``pop_decode_prefix_len()`` (decode's radix-cache prefix, fro
 ``prefill_complete`` policy: decode may allocate now). A chunk sglang sends early (its
 ``_early_send_wait_event``) and the chunks after it wait in the manager's
 ``EarlySendDispatcher`` until the forward writing their pages finished (``early_send.py``).
+
+On a prefill attention-CP rank other than 0 in sglang's default CP mode (``mgr.is_dummy_cp_rank``;
+not with layer split, where every CP rank writes its layers) a sender is sglang's dummy
+(``DummyCPRequest``): WaitingForInput at once, without a node request or a DP-rank registration,
+Success once the request's last chunk is sent, writing nothing; CP rank 0 writes the request.
 """
 
 from __future__ import annotations
@@ -23,6 +28,34 @@ from .bringup import backend_of, dp_route, sglang_class
 from .failures import ANOTHER_RANK_FAILED, TERMINAL, FailedRequest, state_problem
 from .manager import DSABridgeKVManager
 from .phases import PhaseClock
+
+
+class DummyCPRequest:
+    """A request on a prefill CP rank that writes nothing (``bringup.dummy_cp_rank``), as sglang's
+    dummy CP senders: ``status`` WaitingForInput from the start, Success once the pages ``init``
+    announced were all ``sent`` (the last chunk), Failed when ``abort``-ed first (``reason``)."""
+
+    def __init__(self):
+        self.status = KVPoll.WaitingForInput
+        self.pages_left: int | None = None
+        self.reason = ""
+
+    def init(self, num_pages: int) -> None:
+        self.pages_left = num_pages
+
+    def sent(self, num_pages: int) -> None:
+        if self.status in TERMINAL:
+            return
+        if self.pages_left is None:
+            self.abort("send before init")
+            return
+        self.pages_left -= num_pages
+        if self.pages_left <= 0:
+            self.status = KVPoll.Success
+
+    def abort(self, reason: str) -> None:
+        if self.status not in TERMINAL:
+            self.status, self.reason = KVPoll.Failed, reason
 
 
 class DSABridgeKVSender(BaseKVSender):
@@ -43,6 +76,11 @@ class DSABridgeKVSender(BaseKVSender):
         self._phases = PhaseClock("prefill", mgr.phase_limits, time.monotonic(),  # sglang's deadlines
                                   deferred=mgr.defer_allocation)
         self._failed: FailedRequest | None = None
+        self._dummy: DummyCPRequest | None = None
+        if mgr.is_dummy_cp_rank:  # CP rank 0 writes the request; nothing registered for decode
+            self._sender, self._dummy = None, DummyCPRequest()
+            mgr.track_stage_status(self)
+            return
         while not mgr.node.incoming.empty():  # rooms decode announced first: informational only
             mgr.node.incoming.get_nowait()
         try:
@@ -79,6 +117,8 @@ class DSABridgeKVSender(BaseKVSender):
         return 0 if self._sender is None else self._sender.decode_prefix_tokens
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        if self._dummy is not None:
+            self._dummy.init(int(num_kv_indices))
         if self._sender is None:
             return
         try:
@@ -87,6 +127,9 @@ class DSABridgeKVSender(BaseKVSender):
             self._sender.abort(f"bad init: {exc}")
 
     def send(self, kv_indices, state_indices=None, num_kv_tokens=None) -> None:
+        if self._dummy is not None:
+            self._early_send_wait_event = None
+            self._dummy.sent(len(kv_indices))
         if self._sender is None:
             return
         pages = np.asarray(kv_indices, dtype=np.int64)
@@ -104,6 +147,8 @@ class DSABridgeKVSender(BaseKVSender):
     def poll(self) -> KVPoll:
         """The request's status; a phase past its sglang bound (``phases``) fails it, naming the
         phase and the variable."""
+        if self._dummy is not None:
+            return int(self._dummy.status)
         if self._sender is None:
             return KVPoll.Failed
         status, now = self._sender.poll(), time.monotonic()
@@ -133,6 +178,11 @@ class DSABridgeKVSender(BaseKVSender):
         request's pages."""
         if self._failed is not None:
             raise self._failed.exception()
+        if self._dummy is not None:
+            if self._dummy.status == KVPoll.Failed:
+                raise FailedRequest(self.bootstrap_room, self._dummy.reason).exception()
+            self._dummy.abort(ANOTHER_RANK_FAILED)
+            raise FailedRequest(self.bootstrap_room, ANOTHER_RANK_FAILED, from_another_rank=True).exception()
         exc = self._sender.failure_exception()
         if exc is None:
             if self._sender.poll() not in TERMINAL:
@@ -141,6 +191,8 @@ class DSABridgeKVSender(BaseKVSender):
         raise exc
 
     def abort(self) -> None:
+        if self._dummy is not None:
+            self._dummy.abort("aborted by sglang")
         if self._sender is not None:
             self._sender.abort("aborted by sglang")
 

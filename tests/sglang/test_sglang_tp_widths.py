@@ -9,7 +9,18 @@ mapping for MLA pools, byte-exact on every decode rank.
   both decode ranks, each receiving every layer's KV and indexer and the aux slot once;
 - ``dp2-into-tp2``: a prefill of two DP-attention ranks (attention TP 1) into a TP-2 decode: each
   request goes from its room's DP rank to both decode ranks; each decode rank connects a node
-  to each prefill DP group, both over its one engine.
+  to each prefill DP group, both over its one engine;
+- ``cp2-into-tp1``: a prefill of two attention-CP ranks (``--tp 2 --attn-cp-size 2``: attention
+  TP 1) into one decode rank: CP rank 0 writes the request, CP rank 1 is sglang's dummy sender
+  (Success at its last chunk, writing nothing), which decode never connects to; both CP ranks
+  registered with the bootstrap server;
+- ``cp2-layer-split-into-tp1``: the same with ``--enable-dsa-cache-layer-split`` (sglang's own
+  ``LayerSplitDSATokenToKVPool``, Mooncake only, as sglang allows it): each CP rank writes its own
+  layers, the one with the last layer the aux slot, as pipeline stages do.
+
+Attention CP's refused modes (each CP rank writing its own share; CP on decode) are refused by
+name at start-up and, from the prefill's parallel info, by decode (``cp_problems``,
+``pairing_problems``).
 
 Widths that do not divide each other are refused by name (``pairing_problems``), and the
 mapping is sglang's (``tp_targets``).
@@ -28,8 +39,15 @@ if SGLANG_MISSING:
     pytest.skip(SGLANG_MISSING, allow_module_level=True)
 
 from sglang.srt.disaggregation.common.conn import PrefillServerInfo  # noqa: E402
+from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SGLangPool  # noqa: E402
+from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
 from dsa_bridge.plugin.sglang import bringup  # noqa: E402
+from dsa_bridge.plugin.sglang.manager import DSABridgeKVManager  # noqa: E402
+
+from .conftest import published_context  # noqa: E402
+from .test_sglang_conn import DSV32, kv_args_of  # noqa: E402
 
 MODEL = {"layers": 4, "model_layers": 4, "kv_cache_dim": 656, "pages": 12}
 ENGINES = ["mooncake", "nixl"]
@@ -43,20 +61,23 @@ SCENARIOS = {
     "tp2-into-dp2": ((2, 1), (2, 2), [[FIRST, SECOND]] * 2, [[FIRST], [SECOND]]),
     "tp1-into-tp2": ((1, 1), (2, 1), [[FIRST]], [[FIRST]] * 2),
     "dp2-into-tp2": ((2, 2), (2, 1), [[FIRST], [SECOND]], [[FIRST, SECOND]] * 2),
+    "cp2-into-tp1": ((2, 1, 2), (1, 1), [[FIRST]] * 2, [[FIRST]]),  # (tp, dp, attention CP)
+    # (and what the prefill ranks' configurations add)
+    "cp2-layer-split-into-tp1": ((2, 1, 2), (1, 1), [[FIRST]] * 2, [[FIRST]], {"layer_split": True}),
 }
 
 
-def ranks_of(role: str, widths: tuple[int, int], requests: list[list[dict]], base: dict,
+def ranks_of(role: str, widths: tuple[int, ...], requests: list[list[dict]], base: dict,
              port_of_group: dict) -> list[tuple[str, dict]]:
-    tp_size, dp_size = widths
-    attn_tp = tp_size // dp_size
+    tp_size, dp_size, cp_size = (*widths, 1)[:3]
+    world = tp_size // dp_size  # a DP group: attention TP x CP
     out = []
     for rank in range(tp_size):
-        group = rank // attn_tp  # its attention-TP group: one gloo world each
+        group = rank // world  # its DP group: one gloo world each
         port = port_of_group.setdefault((role, group), free_port())
-        out.append((role, {**base, "tp_size": tp_size, "dp_size": dp_size, "tp_rank": rank,
-                           "world": attn_tp, "dist_rank": rank % attn_tp, "dist_port": port,
-                           "requests": requests[rank]}))
+        out.append((role, {**base, "tp_size": tp_size, "dp_size": dp_size, "cp_size": cp_size,
+                           "tp_rank": rank, "world": world, "dist_rank": rank % world,
+                           "dist_port": port, "requests": requests[rank]}))
     return out
 
 
@@ -69,9 +90,10 @@ def widths():
     def get(engine: str, scenario: str) -> list[dict]:
         if (engine, scenario) not in done:
             require_engine(engine)
-            prefill, decode, prefill_requests, decode_requests = SCENARIOS[scenario]
+            prefill, decode, prefill_requests, decode_requests, *extra = SCENARIOS[scenario]
             base, ports = config(engine, MODEL), {}
-            ranks = (ranks_of("width-prefill", prefill, prefill_requests, base, ports)
+            ranks = (ranks_of("width-prefill", prefill, prefill_requests, {**base, **(extra or [{}])[0]},
+                              ports)
                      + ranks_of("width-decode", decode, decode_requests, base, ports))
             results = run_ranks([(role, [cfg]) for role, cfg in ranks], env=PATIENT)
             done[(engine, scenario)] = [only for (only,) in results]
@@ -120,6 +142,36 @@ def test_two_dp_attention_prefill_ranks_into_a_tp2_decode(widths, engine):
     assert odd["bytes"] == 2 * first["compared"][1]["nbytes"]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_attention_cp2_prefill_into_one_decode_rank(widths, engine):
+    writer, dummy, decode = widths(engine, "cp2-into-tp1")
+    assert exact(decode), decode
+    assert (writer["dummy"], dummy["dummy"]) == (False, True)
+    assert decode["cp_routes"] == [writer["endpoint"], dummy["endpoint"]]  # both CP ranks registered
+    assert decode["groups"] == [[1, 0, 1]]  # one writer, nothing to tell, one copy
+    assert decode["peers"] == [[writer["endpoint"]]]  # CP rank 0 only...
+    assert dummy["handshakes"] == 0 and dummy["bytes"] == 0  # ...CP rank 1 never contacted
+    assert writer["verdicts"] == dummy["verdicts"] == [4]  # sglang's MIN over the CP group
+    assert dummy["own"] == [4]  # the dummy's own poll: Success at its last chunk
+    assert writer["handshakes"] >= 1 and writer["bytes"] == decode["compared"][0]["nbytes"]
+    assert decode["verifies_checksums"]  # CP rank 0's digest covers every layer it wrote
+
+
+def test_a_layer_split_attention_cp2_prefill_into_one_decode_rank(widths):
+    first, second, decode = widths("mooncake", "cp2-layer-split-into-tp1")
+    assert exact(decode), decode
+    assert (first["dummy"], second["dummy"]) == (False, False)
+    assert (first["layers"], second["layers"]) == ([0, 1], [2, 3])  # sglang's layer_shard_start
+    assert decode["groups"] == [[2, 0, 1]]  # both CP ranks write, as two pipeline stages
+    assert decode["peers"] == [[first["endpoint"], second["endpoint"]]]
+    assert first["verdicts"] == second["verdicts"] == [4]
+    two_layers = len(FIRST["src_pages"]) * 64 * (656 + 132) * 2
+    assert first["bytes"] == two_layers  # no aux: the rank without the last layer
+    assert second["bytes"] == two_layers + decode["compared"][0]["aux_bytes"]
+    assert first["bytes"] + second["bytes"] == decode["compared"][0]["nbytes"]
+    assert not decode["verifies_checksums"]  # the aux slot's digest: the last CP rank's layers only
+
+
 @pytest.mark.parametrize(("decode_rank", "decode_tp", "prefill_tp", "expected"), [
     (0, 2, 2, (0, (), 1)),  # equal widths: rank r reads rank r
     (1, 2, 2, (1, (), 1)),
@@ -142,3 +194,70 @@ def test_widths_that_do_not_divide_are_refused_by_name():
     assert "--tp-size" in problem
     assert bringup.pairing_problems(info, page_size=64, kv_cache_dtype="fp8_e4m3",
                                     attn_tp_size=1) == []
+
+
+def test_an_attention_cp_prefill_pairs_and_kv_sharding_is_refused_by_name():
+    """Decode reads prefill CP rank 0 (every CP rank holds the whole cache), or with layer split
+    every CP rank (each its layers); KV sharding is refused from the parallel info, naming the
+    prefill's flag."""
+    served = PrefillServerInfo(attn_tp_size=1, attn_cp_size=2, dp_size=1, pp_size=1, page_size=64,
+                               kv_cache_dtype="fp8_e4m3", follow_bootstrap_room=True,
+                               kv_layout=bringup.KV_LAYOUT_MARK)
+    pairing = dict(page_size=64, kv_cache_dtype="fp8_e4m3", attn_tp_size=1)
+    assert bringup.pairing_problems(served, **pairing) == []
+    split = PrefillServerInfo(**{**vars(served), "enable_dsa_cache_layer_split": True})
+    assert bringup.pairing_problems(split, **pairing) == []
+    assert bringup.target_cp_ranks(2, False) == (0,) and bringup.target_cp_ranks(2, True) == (0, 1)
+    sharded = PrefillServerInfo(**{**vars(served), "enable_kv_cache_sharding": True})
+    (problem,) = bringup.pairing_problems(sharded, **pairing)
+    assert problem.startswith("--enable-kv-cache-sharding") and "remove it from the prefill" in problem
+    assert [bringup.dummy_cp_rank(2, r) for r in (0, 1)] == [False, True]
+    assert not bringup.dummy_cp_rank(1, 0) and not bringup.dummy_cp_rank(2, 1, layer_split=True)
+    # the page split sglang's variable asks for is not made under layer split: not refused there
+    assert bringup.cp_problems(prefill=True, attn_cp_size=2, all_cp_ranks=True, layer_split=True) == []
+
+
+@pytest.mark.parametrize(("mode", "fields", "env", "message"), [
+    ("prefill", {"enable_kv_cache_sharding": True}, {}, r"--enable-kv-cache-sharding: .*\(remove it\)"),
+    ("prefill", {"enable_cp_tp_group_sharing": True}, {},
+     r"CP-TP group sharing .*\(give prefill --attn-cp-size 1\)"),
+    ("prefill", {}, {bringup.ALL_CP_RANKS_ENV: "1"},
+     r"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1: each prefill CP rank would write its share.*"
+     r"unset SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"),
+    ("decode", {}, {}, r"--attn-cp-size 2 on decode: .*\(give decode --attn-cp-size 1\)"),
+])
+def test_attention_cp_modes_not_served_are_refused_at_start_up_by_name(mode, fields, env, message,
+                                                                        monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with published_context(disaggregation_mode=mode, disaggregation_transfer_backend="nixl",
+                           tp_size=2, attn_cp_size=2) as server_args:
+        get_parallel().override_permanently(**fields)
+        args = kv_args_of(SGLangPool(**DSV32))
+        args.kv_cache_dtype_str = "fp8_e4m3"
+        with pytest.raises(ValueError, match=message):
+            DSABridgeKVManager(args, DisaggregationMode(mode), server_args, True)
+
+
+def test_a_dummy_cp_rank_request_is_sglangs_dummy_sender():
+    """WaitingForInput from the start, nothing before the last chunk, Success at it; an abort
+    before it fails the request, and a send before ``init`` is refused."""
+    from dsa_bridge.plugin.sglang.sender import DummyCPRequest
+
+    request = DummyCPRequest()
+    assert request.status == 2  # WaitingForInput, without decode
+    request.init(5)
+    request.sent(2)
+    assert request.status == 2
+    request.sent(3)
+    assert request.status == 4  # Success with the last chunk
+    request.abort("late")
+    assert request.status == 4
+    aborted = DummyCPRequest()
+    aborted.init(5)
+    aborted.abort("aborted by sglang")
+    aborted.sent(5)
+    assert (aborted.status, aborted.reason) == (0, "aborted by sglang")
+    early = DummyCPRequest()
+    early.sent(1)
+    assert (early.status, early.reason) == (0, "send before init")

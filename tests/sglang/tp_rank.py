@@ -72,15 +72,17 @@ def gloo_world(cfg: dict):
     return dist.group.WORLD
 
 
-def prefill_manager(cfg: dict, server_args):
-    """A prefill rank's bootstrap server (TP rank 0's only), pool, metadata buffers and manager
-    (sglang's ``_init_kv_manager``; its engine faulty by ``fault``)."""
+def prefill_manager(cfg: dict, server_args, pool=None):
+    """A prefill rank's bootstrap server (TP rank 0's only), pool (sglang's ``DSATokenToKVPool``
+    unless given), metadata buffers and manager (sglang's ``_init_kv_manager``; its engine faulty
+    by ``fault``)."""
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     server = (get_kv_class(TransferBackend(cfg["engine"]), KVClassType.BOOTSTRAP_SERVER)(
         host="127.0.0.1", port=cfg["port"]) if cfg.get("tp_rank", 0) == 0 else None)
-    pool, metadata = pd_rank.make_pool(cfg, bridge=False), pd_rank.metadata_buffers()
+    pool = pool if pool is not None else pd_rank.make_pool(cfg, bridge=False)
+    metadata = pd_rank.metadata_buffers()
     with pd_rank.faulty_engine(cfg.get("fault")):
         manager = PrefillBootstrapQueue._init_kv_manager(
             pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata, "prefill"))

@@ -4,20 +4,28 @@ CONFIGS_JSON`` runs each scenario in turn and prints one ``RESULT [json, ...]`` 
 ``pd_rank.py`` (pools, ``MetadataBuffers``, sglang's own ``_init_kv_manager``) and ``tp_rank.py``
 (a prefill rank's manager and its sender through the bootstrap queue).
 
-Each rank is sglang rank ``tp_rank`` of ``tp_size`` with ``dp_size`` DP-attention groups (its
-attention-TP and DP ranks derived as sglang derives them), its ranks of one attention-TP group
-joined by a gloo group (``world``, ``dist_port``), and serves ``requests`` (room, pages and aux
+Each rank is sglang rank ``tp_rank`` of ``tp_size`` with ``dp_size`` DP-attention groups and
+``cp_size`` attention-CP ranks in each (its attention-TP, CP and DP ranks derived from it), its
+ranks of one DP group (attention TP x CP) joined by a gloo group (``world``, ``dist_port``; with
+one attention-TP rank that is sglang's CP group, whose MIN of the polls sglang's
+``poll_and_all_reduce_attn_cp_tp_group`` takes), and serves ``requests`` (room, pages and aux
 slots each):
 
 - ``width-prefill``: a sender per request through sglang's bootstrap queue (polled to
   WaitingForInput), ``init``, the forward (attention-TP rank 0's pool holds the request's bytes,
-  the other ranks' other bytes, so a write from the wrong rank shows), ``send`` in two chunks,
+  the other ranks' other bytes, attention-CP rank 0 the same, so a write from the wrong rank
+  shows), ``send`` in two chunks,
   then the inflight queue: sglang's ``poll_and_all_reduce`` over the attention-TP group until
   every request's verdict.
 - ``width-decode``: a receiver per request (``init`` with the prefill DP rank of its room),
   ``send_metadata``, then sglang's ``poll_and_all_reduce`` over the attention-TP group until
-  every verdict; each request's pages, aux slot and the rest of the pool compared, and the
-  engines and nodes the rank made counted.
+  every verdict; each request's pages, aux slot and the rest of the pool compared, the engines
+  and nodes the rank made counted, and the prefill ranks the bootstrap server names for each
+  attention-CP rank (``cp_routes``).
+
+With ``layer_split`` (``--enable-dsa-cache-layer-split``) a prefill rank's pool is sglang's own
+``LayerSplitDSATokenToKVPool`` over sglang's CP ``GroupCoordinator`` (gloo): its CP rank's layers
+only, which sglang's ``_init_kv_manager`` names from the pool's ``layer_shard_start``.
 """
 
 from __future__ import annotations
@@ -35,13 +43,15 @@ def as_rank(cfg: dict) -> None:
     """This process is sglang rank ``tp_rank`` (the published context gives rank 0)."""
     from sglang.srt.runtime_context import get_parallel
 
-    attn_tp = cfg["tp_size"] // cfg.get("dp_size", 1)
+    cp = cfg.get("cp_size", 1)
+    attn_tp = cfg["tp_size"] // (cfg.get("dp_size", 1) * cp)
     get_parallel().override_permanently(tp_rank=cfg["tp_rank"], attn_tp_rank=cfg["tp_rank"] % attn_tp,
-                                        attn_dp_rank=cfg["tp_rank"] // attn_tp)
+                                        attn_cp_rank=cfg["tp_rank"] // attn_tp % cp,
+                                        attn_dp_rank=cfg["tp_rank"] // (attn_tp * cp))
 
 
 def tp_group(cfg: dict):
-    """The gloo group of this rank's attention-TP group (``world`` processes)."""
+    """The gloo group of this rank's DP group, attention TP x CP (``world`` processes)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['dist_port']}",
@@ -68,9 +78,13 @@ def prefill_rank(cfg: dict, server_args) -> dict:
 
     as_rank(cfg)
     group = tp_group(cfg)
-    server, pool, metadata, manager = tp_rank.prefill_manager(cfg, server_args)
+    server, pool, metadata, manager = tp_rank.prefill_manager(
+        cfg, server_args, layer_split_pool(cfg) if cfg.get("layer_split") else None)
     senders = [tp_rank.initialised_sender({**cfg, **request}, manager) for request in cfg["requests"]]
-    writes = get_parallel().attn_tp_rank == 0  # MLA: decode reads from the group's first rank
+    # MLA: decode reads from the group's first rank; with CP, from CP rank 0 (with layer split,
+    # from every CP rank: each holds its own layers)
+    parallel = get_parallel()
+    writes = parallel.attn_tp_rank == 0 and (parallel.attn_cp_rank == 0 or cfg.get("layer_split"))
     seed = cfg["seed"] + (0 if writes else OTHER_RANKS_SEED)
     pd_rank.fill_pool(pool, seed)
     pd_rank.fill(pd_rank.aux_views(metadata), seed=seed + 1)
@@ -80,15 +94,36 @@ def prefill_rank(cfg: dict, server_args) -> dict:
         sender.send(src[2:], [src])
     verdicts = until_every_verdict(senders, group, "prefill")
     own = [int(s.poll()) for s in senders]
-    wait_for(lambda: all(s._sender.can_release() for s in senders), 30, "the writes to end")
+    written = [s._sender for s in senders if s._sender is not None]  # (none on a dummy CP rank)
+    wait_for(lambda: all(s.can_release() for s in written), 30, "the writes to end")
     time.sleep(0.5)  # the last reports reach decode
-    result = {"verdicts": verdicts, "own": own, "bytes": manager.node.counters.snapshot()["bytes"],
-              "reasons": [s._sender.state.reason for s in senders]}
+    counters = manager.node.counters.snapshot()
+    result = {"verdicts": verdicts, "own": own, "bytes": counters["bytes"],
+              "handshakes": counters["handshakes_ok"], "endpoint": manager.node.endpoint,
+              "dummy": manager.is_dummy_cp_rank, "layers": manager.bridge.kv_layer_ids,
+              "reasons": [s.state.reason for s in written]}
     for sender in senders:
         sender.clear()
     manager.shutdown()
     pd_rank.close(server)
     return result
+
+
+def layer_split_pool(cfg: dict):
+    """sglang's ``LayerSplitDSATokenToKVPool`` of this CP rank (every rank of the DP group is a CP
+    rank here: attention TP 1), over sglang's CP ``GroupCoordinator`` on the gloo world."""
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+    from sglang.srt.mem_cache.dsa_cache_layer_split import LayerSplitDSATokenToKVPool
+    from sglang.srt.runtime_context import get_parallel
+
+    flags = dict(use_pynccl=False, use_mscclpp=False, use_custom_allreduce=False,
+                 use_torch_symm_mem_all_reduce=False, use_hpu_communicator=False,
+                 use_xpu_communicator=False)
+    cp = GroupCoordinator([list(range(cfg["world"]))], cfg["dist_rank"], "gloo",
+                          group_name="attn_cp", **flags)
+    get_parallel().override_permanently(attn_cp_group=cp, enable_dsa_cache_layer_split=True)
+    return LayerSplitDSATokenToKVPool(**pd_rank.pool_kwargs(cfg), layer_shard_rank=cp.rank_in_group,
+                                      layer_shard_size=cp.world_size)
 
 
 def decode_rank(cfg: dict, server_args) -> dict:
@@ -110,7 +145,8 @@ def decode_rank(cfg: dict, server_args) -> dict:
         pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata, "decode"))
     addr = f"127.0.0.1:{cfg['port']}"
     wait_for(lambda: manager.try_ensure_parallel_info(addr), 240, "prefill parallel info")
-    dp_size = manager.prefill_info_table[addr].dp_size
+    info = manager.prefill_info_table[addr]
+    dp_size = info.dp_size
     receivers = []
     for request in cfg["requests"]:
         receiver = get_kv_class(TransferBackend(cfg["engine"]), KVClassType.RECEIVER)(
@@ -129,11 +165,26 @@ def decode_rank(cfg: dict, server_args) -> dict:
               "compared": [pd_rank.compare({**cfg, **request}, pool, metadata, receiver)
                            for receiver, request in zip(receivers, cfg["requests"], strict=True)],
               "untouched": untouched(cfg, pool), "engines": len(engines),
-              "nodes": len(manager.decode_nodes)}
+              "nodes": len(manager.decode_nodes), "peers": [r.bootstrap_infos for r in receivers],
+              "cp_routes": cp_routes(addr, info.attn_cp_size),
+              "verifies_checksums": manager.should_verify_kv_checksum(addr)}
     for receiver in receivers:
         receiver.clear()
     manager.shutdown()
     return result
+
+
+def cp_routes(addr: str, cp_size: int) -> list[str]:
+    """The endpoint the bootstrap server names for each attention-CP rank of DP group 0, TP rank
+    0 (sglang's ``GET /route``)."""
+    import requests
+
+    out = []
+    for cp in range(cp_size):
+        rank = requests.get(f"http://{addr}/route?prefill_dp_rank=0&prefill_cp_rank={cp}"
+                            "&target_tp_rank=0&target_pp_rank=0", timeout=5).json()
+        out.append(f"{rank['rank_ip']}:{rank['rank_port']}")
+    return out
 
 
 def untouched(cfg: dict, pool) -> bool:
@@ -150,6 +201,7 @@ def main() -> None:
     pd_rank.run_scenarios(lambda role, cfg, args: ROLES[role](cfg, args), lambda role, cfg: {
         "disaggregation_mode": "decode" if role == "width-decode" else "prefill",
         "tp_size": cfg["tp_size"], "dp_size": cfg.get("dp_size", 1),
+        "attn_cp_size": cfg.get("cp_size", 1),
         "enable_dp_attention": cfg.get("dp_size", 1) > 1,
         "load_balance_method": "follow_bootstrap_room"})
 

@@ -470,3 +470,20 @@ def test_the_transport_is_said_once_per_rank(monkeypatch, caplog):
             assert manager.engine_options == {"protocol": "tcp", "device_name": ""}
         finally:
             manager.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_sglangs_own_connectors_serve_no_host_destination(backend):
+    """docs/sglang.md's claim that host KV destinations are refused by sglang itself: neither of
+    its own managers says ``supports_host_destination`` and neither receiver overrides the base's
+    False, so sglang's decode refuses ``--disaggregation-decode-host-receive-threshold`` below 1
+    at start-up whatever the backend (as it does for dsa-bridge's manager)."""
+    from sglang.srt.disaggregation.base.conn import BaseKVReceiver
+
+    from dsa_bridge.plugin.sglang.bringup import sglang_class
+    from dsa_bridge.plugin.sglang.manager import DSABridgeKVManager
+
+    assert sglang_class(backend, "KVManager").supports_host_destination is False
+    receiver = sglang_class(backend, "KVReceiver")
+    assert receiver.supports_host_destination is BaseKVReceiver.supports_host_destination
+    assert DSABridgeKVManager.supports_host_destination is False

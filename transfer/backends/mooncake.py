@@ -10,7 +10,7 @@ Facts this module is built on (Mooncake 0.3.13, measured on our machines, see do
   fail with part of them written and the rest still landing afterwards, or stall until the
   engine's transfer timeout. Writes go in batches of ``max_batch`` (512) entries, at most
   ``batches_in_flight`` (2) at a time per peer: the next batch is queued while one is on the wire,
-  so the engine never idles between batches (a page per descriptor: +5-10 %, docs/benchmarks.md),
+  so the engine never idles between batches (a page per descriptor: +13 %, docs/benchmarks.md),
   and a write never holds more than half the bound in flight.
 - ``get_batch_transfer_status`` blocks until the batch ends or ``MC_TRANSFER_TIMEOUT`` (default
   30 s) passes. So the engine calls of a write run in a helper thread and the caller waits on it

@@ -7,7 +7,9 @@ dsa-bridge's ``PrefillNode`` / ``DecodeNode`` (layer-id pairing, bounds checks b
 deadlines, KVPoll states), one role per module:
 
 - ``DSABridgeKVManager`` (``manager.py``): one per scheduler rank; bring-up, the prefill's
-  registration and stage consensus, decode's nodes, sglang's deferred release and memory saver;
+  registration, the memory saver, and its parts: the prefill stages' consensus
+  (``stage_consensus.py``), decode's nodes (``decode_nodes.py``), sglang's deferred release
+  (``deferred_release.py``);
 - ``DSABridgeKVSender`` (``sender.py``): one request on a prefill rank;
 - ``DSABridgeKVReceiver`` (``receiver.py``): one request on a decode rank;
 - ``failures.py``: how a request ends in sglang's terms;

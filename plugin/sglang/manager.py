@@ -31,6 +31,15 @@ KVArgs that are not a DSA pool (``kvargs.dsa_problem``) get sglang's own manager
 configured backend instead (logged): sglang's ``get_kv_class`` does not know the model, its
 KVArgs do.
 
+The manager keeps the rank's bring-up, the prefill's registration, the memory saver and the HTTP
+calls; its parts own the rest, each its own state: ``StageConsensus`` (``stage_consensus.py``: the
+prefill pipeline stages' consensus), ``DecodeNodes`` (``decode_nodes.py``: decode's parallel info
+of each prefill, the rank's engine and one node per prefill DP group) and ``DeferredRelease``
+(``deferred_release.py``: sglang's deferred release answered by the fence). sglang's names for
+what a part answers (``try_ensure_parallel_info``, ``prefill_info_table``,
+``register_deferred_abort_room``, ``is_abort_release_safe``, ``clear_deferred_abort_state``) stay
+on the manager and hand over to the part.
+
 sglang's decode queue makes its HTTP calls on the manager's threads
 (``_ensure_prefill_recompute_executor``: its prefill DP-rank queries); a retracted request's
 rebootstrap asks the prefill to compute it again (``submit_prefill_recompute``: ``POST /generate``
@@ -64,12 +73,11 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import requests
-from sglang.srt.disaggregation.base.conn import BaseKVManager, BaseKVReceiver, BaseKVSender, KVPoll
+from sglang.srt.disaggregation.base.conn import BaseKVManager, BaseKVReceiver
 from sglang.srt.disaggregation.common.conn import PrefillServerInfo
-from sglang.srt.disaggregation.pp_consensus_store import PPConsensusStore
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import get_ib_devices_for_gpu
 from sglang.srt.environ import envs
@@ -79,50 +87,32 @@ from sglang.srt.utils.network import NetworkAddress, get_local_ip_auto
 from ...transfer import auth
 from ...transfer.backends import create_backend
 from ...transfer.backends.environment import rdma_devices
-from ...transfer.backends.shared import SharedEngine
-from ...transfer.decode import DecodeNode, KVReceiver
-from ...transfer.handshake import HandshakeError
 from ...transfer.plan import as_aux_buffers
 from ...transfer.prefill import PrefillNode
 from .bringup import (
     KV_LAYOUT_MARK,
-    PeerBackoff,
-    PrefillGroup,
     backend_of,
     bootstrap_host,
     cp_problems,
     dummy_cp_rank,
     engine_options,
-    pairing_problems,
     sglang_class,
-    target_cp_ranks,
-    target_stages,
-    tp_targets,
 )
+from .decode_nodes import HTTP_TIMEOUT_S, STAGING_BYTES, DecodeNodes
+from .deferred_release import DeferredRelease, log_release_bounds
 from .early_send import EarlySendDispatcher
-from .failures import TERMINAL
 from .kvargs import bridge_buffers, dsa_problem
 from .memory_kinds import hisparse_problem, kind_of, pointer_info
-from .mixed import PrefillAborts, marked_route_query, policy_mark
+from .mixed import PrefillAborts, policy_mark
 from .paged_buffers import PagedBuffers
 from .phases import PhaseLimits
 from .pool import stage_start_layer
+from .stage_consensus import StageConsensus
 
 log = logging.getLogger(__name__)
 
-HTTP_TIMEOUT_S = 5.0
-ROUTE_RECHECK_S = 1.0  # how often an unreachable prefill's endpoints are looked up again
 REGISTER_WAIT_S = 30.0  # for the bootstrap server to listen when a prefill rank registers
 HTTP_WORKERS = 4  # threads for sglang's HTTP calls off its scheduler thread (DP-rank queries, rebootstrap)
-STAGE_REPORT_S = 0.005  # how often a later pipeline stage reports its senders' statuses to stage 0
-# decode's fence (DecodeNode): a failed engine write's bytes may land for IN_FLIGHT_GRACE_S after
-# prefill reports it; pages on a silent prefill are held up to QUARANTINE_TIMEOUT_S
-IN_FLIGHT_GRACE_S = 35.0
-# the staged route is off inside sglang: it is slower for DSA pages on every engine measured
-# (docs/benchmarks.md) and its staging area would be device memory taken from the KV cache
-STAGING_BYTES = 0
-QUARANTINE_TIMEOUT_S = 600.0
-DEFERRED_RELEASE_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 
 
 class DSABridgeKVManager(BaseKVManager):
@@ -194,30 +184,19 @@ class DSABridgeKVManager(BaseKVManager):
         self.enable_deferred_decode_kv_release = bool(
             envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get()
             and self.supports_deferred_decode_kv_release)
-        self.forced_releases = 0  # pages sglang released while the fence still held them
-        self._abort_generation = 0  # sglang's wire id of a held room's abort (kept, not sent)
-        self._armed: dict[int, int] = {}  # room -> generation, while sglang holds its pages
-        self._live: dict[int, BaseKVReceiver] = {}  # room -> receiver with a dsa-bridge request
-        self._unreleased: list[tuple[DecodeNode, KVReceiver]] = []  # cleared, fence still up
-        self.clock = time.monotonic  # the backoff's clock
         self._lock = threading.Lock()
         self.node: PrefillNode | None = None
-        self.decode_nodes: dict[tuple[str, int], DecodeNode] = {}
-        self._connecting: dict[tuple[str, int], Future] = {}  # connections being made
-        self._connector: ThreadPoolExecutor | None = None  # makes them, off sglang's thread
-        self.engine: SharedEngine | None = None  # decode: one engine for every node of the rank
         self.prefill_aborts: PrefillAborts | None = None  # decode: sglang's own prefills told
         self._http_calls: ThreadPoolExecutor | None = None  # decode: sglang's, off its thread
-        self.groups: dict[tuple[str, int], PrefillGroup] = {}  # the ranks each node talks to
-        self.node_failures: dict[tuple[str, int], PeerBackoff] = {}
-        self.route_checked: dict[tuple[str, int], float] = {}  # when a lost prefill was looked up
-        self.retired_nodes: list[DecodeNode] = []  # nodes of a restarted prefill, until idle
-        self.prefill_info_table: dict[str, PrefillServerInfo] = {}
-        self.refused_prefills: dict[str, str] = {}  # bootstrap address -> why it cannot pair
-        self.stage_status: PPConsensusStore | None = None
-        self._stage_senders: dict[int, BaseKVSender] = {}
-        self._stop = threading.Event()
-        self._stage_reporter: threading.Thread | None = None
+        self.stages = StageConsensus(self.pp_size, self.pp_rank)  # prefill: its pipeline stages
+        self.decode_nodes = DecodeNodes(  # decode: the prefills' parallel info, one node per DP group
+            kv_args=args, pool=self.pool, aux_buffers=self.bridge.aux_buffers, backend=self.backend,
+            local_ip=self.local_ip, engine_options=self.engine_options, secret=self.secret,
+            checksums=self.checksums, phase_limits=self.phase_limits,
+            allocation_policy=self.allocation_policy, attn_tp_size=self.attn_tp_size,
+            attn_tp_rank=self.attn_tp_rank, attn_dp_rank=self.attn_dp_rank, pp_size=self.pp_size,
+            pp_rank=self.pp_rank, memory_released=lambda: self.memory_released)
+        self.deferred_release = DeferredRelease(self.decode_nodes)  # decode: sglang's held pages
         self.early_sends = EarlySendDispatcher(  # chunks held until sglang's forward wrote them
             f"dp{self.attn_dp_rank}-tp{self.attn_tp_rank}-pp{self.pp_rank}")
         self.memory_released = False  # sglang's memory saver released the cache (not resumed)
@@ -233,10 +212,11 @@ class DSABridgeKVManager(BaseKVManager):
             self.log_transport(self.node.backend)
             self.register_to_bootstrap()
             if self.pp_size > 1:
-                self._start_stage_consensus(parallel.pp_group)
+                self.stages.start(parallel.pp_group)
         else:
-            self._start_decode_engine()
-            self._log_release_bounds()
+            self.decode_nodes.start_engine(self._cache_regions())
+            self.log_transport(self.decode_nodes.engine.engine)
+            log_release_bounds(self.enable_deferred_decode_kv_release)
         log.info("dsa-bridge: %s manager over %d layers (%s indexer layout) on %s, aux on %s, backend "
                  "%s, checksums %s", disaggregation_mode.value, self.bridge.layout.num_layers,
                  self.bridge.layout.indexer_layout, device, sorted(set(self.bridge.aux_devices)),
@@ -280,15 +260,11 @@ class DSABridgeKVManager(BaseKVManager):
             log.info("dsa-bridge: prefill rank %s released its cache (%d request(s) failed)",
                      self.node.endpoint, failed)
             return
-        live = list(self._live.values())
-        for receiver in live:
-            receiver._fail(reason)
-        self._close_decode_nodes()
-        self._live.clear()
-        self._unreleased.clear()  # their pages leave with the memory: nothing can land there now
-        self._registration.unregister(self._cache_regions())
+        failed = self.deferred_release.fail_all(reason)
+        self.decode_nodes.close_nodes()
+        self.decode_nodes.registration.unregister(self._cache_regions())
         log.info("dsa-bridge: decode rank dp%d-tp%d released its cache (%d request(s) failed)",
-                 self.attn_dp_rank, self.attn_tp_rank, len(live))
+                 self.attn_dp_rank, self.attn_tp_rank, failed)
 
     def register_buffer_to_engine(self) -> None:
         """sglang resumed the cache's memory (``resume_memory_occupation``, at the same
@@ -300,7 +276,7 @@ class DSABridgeKVManager(BaseKVManager):
                 return
             self.memory_released = False
         if self.node is None:
-            self._registration.register(self._cache_regions())
+            self.decode_nodes.registration.register(self._cache_regions())
             return
         try:
             self.node = self._prefill_node(self.node.endpoint)
@@ -310,17 +286,6 @@ class DSABridgeKVManager(BaseKVManager):
             self.node = self._prefill_node(f"{self.local_ip}:0")
             self.register_to_bootstrap()
         log.info("dsa-bridge: prefill rank %s resumed its cache", self.node.endpoint)
-
-    def _close_decode_nodes(self) -> None:
-        """Close every decode node: connected, retired, and made by an attempt still running
-        (which ends first)."""
-        made = [f.result()[0] for f in self._connecting.values() if f.exception() is None]
-        for node in [*self.decode_nodes.values(), *self.retired_nodes, *made]:
-            node.close()
-        self.decode_nodes.clear()
-        self.groups.clear()
-        self.retired_nodes.clear()
-        self._connecting.clear()
 
     def _cache_regions(self) -> list:
         return [*self.pool.buffer_descriptors(), *as_aux_buffers(self.bridge.aux_buffers)]
@@ -366,96 +331,33 @@ class DSABridgeKVManager(BaseKVManager):
                  f" as attention CP rank {self.attn_cp_rank} of {self.attn_cp_size}, writing nothing "
                  "(CP rank 0 writes every request)" if self.is_dummy_cp_rank else "")
 
-    # ---- prefill: the pipeline stages' consensus ---------------------------------------------
-    def _start_stage_consensus(self, pp_group) -> None:
-        """sglang's ``PPConsensusStore`` over the pipeline group, as sglang's managers keep their
-        request statuses with stages: stage 0 collects every stage's status of a room
-        (``poll_pp_consensus``); a later stage's reporter thread sends its senders' statuses as
-        they change (nothing else polls them there: sglang's later stages take stage 0's verdict)."""
-        self.stage_status = PPConsensusStore(self.pp_size, self.pp_rank, pp_group)
-        if self.pp_rank > 0:
-            self._stage_reporter = threading.Thread(target=self._report_stage_statuses, daemon=True,
-                                                    name=f"dsa-bridge-pp{self.pp_rank}-status")
-            self._stage_reporter.start()
+    # ---- decode: sglang's names for what the parts answer --------------------------------------
+    @property
+    def prefill_info_table(self) -> dict[str, PrefillServerInfo]:
+        return self.decode_nodes.prefill_info_table
 
-    def track_stage_status(self, sender: BaseKVSender) -> None:
-        if self.stage_status is not None and self.pp_rank > 0:
-            with self._lock:
-                self._stage_senders[sender.bootstrap_room] = sender
-
-    def forget_stage_status(self, room: int) -> None:
-        if self.stage_status is not None:
-            with self._lock:
-                self._stage_senders.pop(room, None)
-            self.stage_status.pop(room)
-
-    def _report_stage_statuses(self) -> None:
-        reported: dict[int, int] = {}
-        while not self._stop.wait(STAGE_REPORT_S):
-            with self._lock:
-                senders = list(self._stage_senders.items())
-            for room, sender in senders:
-                status = int(sender.poll())
-                if reported.get(room) != status:
-                    self.stage_status[room] = status
-                    reported[room] = status
-                if status in TERMINAL:
-                    with self._lock:
-                        self._stage_senders.pop(room, None)
-                    reported.pop(room, None)
-
-    def stage_consensus(self, room: int, own: int) -> int:
-        """Stage 0's view of ``room`` over every stage (sglang's ``check_status_pp_consensus``),
-        ``own`` being stage 0's status: Failed once any stage failed, Bootstrapping while a stage
-        has not reported, else the least advanced status."""
-        self.stage_status[room] = int(own)
-        statuses = self.stage_status.collect(room)
-        if KVPoll.Failed in statuses:
-            return KVPoll.Failed
-        if None in statuses:
-            return KVPoll.Bootstrapping
-        return min(statuses)
-
-    # ---- decode: parallel info and one node per prefill ------------------------------------
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """Fetch (once) the prefill's parallel info: True once known and pairable. False while it
-        is not fully registered, and for a prefill dsa-bridge cannot pair with (never raised:
-        sglang's decode queue does not catch it); the reason is logged once per prefill and
-        fails that prefill's receivers (``refusal``). Asked again (sglang retries each second
-        while requests wait), a refused prefill is fetched again: it may have been restarted."""
-        if bootstrap_addr in self.prefill_info_table:
-            return True
-        url = (f"http://{bootstrap_addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
-               "&target_tp_rank=-1&target_pp_rank=-1" + marked_route_query())
-        try:
-            response = requests.get(url, timeout=HTTP_TIMEOUT_S)
-        except requests.RequestException as exc:
-            log.warning("dsa-bridge: bootstrap server %s: %s", bootstrap_addr, exc)
-            return False
-        if response.status_code != 200:
-            log.info("dsa-bridge: bootstrap server %s: %d %s", bootstrap_addr, response.status_code,
-                     response.text)
-            return False
-        try:
-            info = PrefillServerInfo(**response.json())
-        except (TypeError, ValueError) as exc:
-            problems = [f"its parallel info does not parse ({exc})"]
-        else:
-            problems = pairing_problems(
-                info, page_size=self.kv_args.page_size,
-                kv_cache_dtype=getattr(self.kv_args, "kv_cache_dtype_str", None),
-                attn_tp_size=self.attn_tp_size, pp_size=self.pp_size, policy=self.allocation_policy)
-        if problems:
-            reason = f"dsa-bridge cannot pair with the prefill at {bootstrap_addr}: " + "; ".join(problems)
-            if self.refused_prefills.get(bootstrap_addr) != reason:
-                log.warning("%s; its requests fail", reason)
-            self.refused_prefills[bootstrap_addr] = reason
-            return False
-        if self.refused_prefills.pop(bootstrap_addr, None) is not None:
-            log.info("dsa-bridge: the prefill at %s can be paired with now", bootstrap_addr)
-        self.prefill_info_table[bootstrap_addr] = info
-        return True
+        return self.decode_nodes.try_ensure_parallel_info(bootstrap_addr)
 
+    def register_deferred_abort_room(self, bootstrap_room: int) -> int:
+        return self.deferred_release.register_deferred_abort_room(bootstrap_room)
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        return self.deferred_release.is_abort_release_safe(bootstrap_room, required_acks)
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        self.deferred_release.clear_deferred_abort_state(bootstrap_room)
+
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        """Whether sglang's own digest from the prefill at ``bootstrap_addr`` covers the bytes this
+        rank holds: True for a prefill dsa-bridge paired with (an MLA pool is whole on every
+        attention-TP rank, so the rank that writes holds the same pages; another layout is told
+        apart by sglang's own layout signature). Not for a prefill with attention-CP layer split:
+        the digest in the aux slot covers only the layers of the CP rank that wrote it."""
+        info = self.prefill_info_table.get(bootstrap_addr)
+        return info is not None and not (info.attn_cp_size > 1 and info.enable_dsa_cache_layer_split)
+
+    # ---- the rank's transport said once; HTTP to the bootstrap server and the prefill --------
     def log_transport(self, backend) -> None:
         """Say once per rank what moves its cache: the engine and the transport it installed
         (Mooncake: RDMA, or TCP where asked or where this machine has no RDMA device)."""
@@ -532,267 +434,17 @@ class DSABridgeKVManager(BaseKVManager):
                 self.prefill_aborts = PrefillAborts(KV_LAYOUT_MARK)
         self.prefill_aborts.notify(bootstrap_addr, room, reason)
 
-    def refusal(self, bootstrap_addr: str) -> str | None:
-        """Why the prefill at ``bootstrap_addr`` was refused; None when it was not."""
-        return self.refused_prefills.get(bootstrap_addr)
-
-    def _rank_endpoint(self, bootstrap_addr: str, dp_rank: int, cp_rank: int, tp_rank: int,
-                       pp_rank: int) -> str:
-        url = (f"http://{bootstrap_addr}/route?prefill_dp_rank={dp_rank}&prefill_cp_rank={cp_rank}"
-               f"&target_tp_rank={tp_rank}&target_pp_rank={pp_rank}")
-        response = requests.get(url, timeout=HTTP_TIMEOUT_S)
-        if response.status_code != 200:
-            raise HandshakeError(f"bootstrap server {bootstrap_addr} has no prefill rank dp {dp_rank} "
-                                 f"cp {cp_rank} tp {tp_rank} pp {pp_rank}: {response.status_code} "
-                                 f"{response.text}")
-        rank = response.json()
-        return NetworkAddress(rank["rank_ip"], int(rank["rank_port"])).to_host_port_str()
-
-    def _start_decode_engine(self) -> None:
-        """The rank's one engine, with the pool and the aux buffers registered once, at start-up
-        (as sglang's managers do); every ``DecodeNode`` of the rank shares it
-        (``SharedEngine``), and connections are made off sglang's scheduler thread."""
-        self.engine = SharedEngine(create_backend(self.backend, host=self.local_ip,
-                                                  **self.engine_options))
-        self.log_transport(self.engine.engine)
-        self._registration = self.engine.user()
-        self._registration.register(self._cache_regions())
-        self._connector = ThreadPoolExecutor(
-            1, thread_name_prefix=f"dsa-bridge-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}-connect")
-
-    def decode_node(self, bootstrap_addr: str,
-                    dp_rank: int) -> tuple[DecodeNode, PrefillGroup] | None:
-        """The node connected to the ranks of prefill DP group ``dp_rank`` at ``bootstrap_addr``
-        this rank talks to (``PrefillGroup``: every pipeline stage of each), and that group;
-        None while the connection (handshakes included) is being made on the manager's
-        connector thread, started by the first call. A failed attempt raises its reason, and is
-        not repeated before its backoff ends: until then this raises the last reason at once."""
-        key = (bootstrap_addr, dp_rank)
-        with self._lock:
-            node = self.decode_nodes.get(key)
-            if node is not None and not self._restarted(key, node):
-                return node, self.groups[key]
-            pending = self._connecting.get(key)
-            if pending is not None:
-                if not pending.done():
-                    return None
-                del self._connecting[key]
-                return self._connected(key, pending)
-            if self.memory_released:
-                raise HandshakeError("this rank's cache memory is released (sglang's "
-                                     "release_memory_occupation, not resumed yet)")
-            if not self.try_ensure_parallel_info(bootstrap_addr):
-                raise HandshakeError(self.refusal(bootstrap_addr)
-                                     or f"the prefill at {bootstrap_addr} is not registered yet")
-            failure, now = self.node_failures.get(key), self.clock()
-            if failure is not None and now < failure.retry_at:
-                raise HandshakeError(f"{failure.reason} (failed {failure.failures} time(s); next "
-                                     f"attempt in {failure.retry_at - now:.1f}s)")
-            self._connecting[key] = self._connector.submit(self._connect, bootstrap_addr, dp_rank)
-            return None
-
-    def _connected(self, key: tuple[str, int],
-                   attempt: Future) -> tuple[DecodeNode, PrefillGroup]:
-        """The outcome of a connection attempt: the node kept, or the failure given a backoff
-        (logged once per attempt) and raised as a ``HandshakeError`` (whatever failed: an engine
-        refusing the registration, a lookup, the handshake; never out of sglang's queue)."""
-        try:
-            node, group = attempt.result()
-        except Exception as exc:  # any failed attempt fails only its requests
-            failure = self.node_failures.get(key)
-            self.node_failures[key] = PeerBackoff.after(failure, str(exc), self.clock())
-            log.warning("dsa-bridge: connecting to prefill %s (dp %d) failed (%d time(s), next "
-                        "attempt in %.0fs): %s", key[0], key[1], self.node_failures[key].failures,
-                        self.node_failures[key].retry_at - self.clock(), exc)
-            raise HandshakeError(str(exc)) from exc
-        self.node_failures.pop(key, None)
-        self.decode_nodes[key] = node
-        self.groups[key] = group
-        return node, group
-
-    def _restarted(self, key: tuple[str, int], node: DecodeNode) -> bool:
-        """Whether the prefill behind ``node``, which it cannot reach, registered new endpoints
-        (a restarted prefill listens on a new port): then ``node`` is retired, closed once its
-        requests are forgotten, and a new one is made. Looked up at most once per
-        ``ROUTE_RECHECK_S``; a prefill back on the same port is the node's own re-handshake."""
-        now = self.clock()
-        if not node.unreachable() or now < self.route_checked.get(key, -ROUTE_RECHECK_S) + ROUTE_RECHECK_S:
-            return False
-        self.route_checked[key] = now
-        bootstrap_addr, dp_rank = key
-        known = self.prefill_info_table.pop(bootstrap_addr, None)  # it may have changed too
-        if not self.try_ensure_parallel_info(bootstrap_addr):
-            if known is not None and bootstrap_addr not in self.refused_prefills:
-                self.prefill_info_table[bootstrap_addr] = known  # not registered again yet
-            return False  # (refused now: its requests fail with the reason)
-        try:
-            endpoints = self._group(bootstrap_addr, dp_rank).endpoints
-        except (HandshakeError, requests.RequestException, KeyError, ValueError) as exc:
-            log.info("dsa-bridge: prefill %s (dp %d) unreachable, its new endpoints not known: %s",
-                     bootstrap_addr, dp_rank, exc)
-            return False
-        old = [peer.endpoint for peer in node.peers]
-        if endpoints == old:
-            return False
-        log.warning("dsa-bridge: prefill %s (dp %d) moved from %s to %s (restarted): connecting "
-                    "anew", bootstrap_addr, dp_rank, ", ".join(old), ", ".join(endpoints))
-        del self.decode_nodes[key], self.groups[key]
-        self.retired_nodes.append(node)
-        self._close_idle_retired()
-        return True
-
-    def _close_idle_retired(self) -> None:
-        """Close the retired nodes no request is left on (every one forgotten)."""
-        for node in [n for n in self.retired_nodes if n.requests == 0]:
-            node.close()
-            self.retired_nodes.remove(node)
-
-    def _group(self, bootstrap_addr: str, dp_rank: int) -> PrefillGroup:
-        """The ranks of DP group ``dp_rank`` this rank talks to, as sglang maps attention-TP
-        ranks between two widths (``tp_targets``), attention-CP ranks (``target_cp_ranks``: CP
-        rank 0, or with layer split each CP rank, its layers written as a pipeline stage's) and
-        pipeline stages (``target_stages``)."""
-        info = self.prefill_info_table[bootstrap_addr]
-        targets = tp_targets(self.attn_tp_rank, self.attn_tp_size, info.attn_tp_size)
-        cp_ranks = target_cp_ranks(info.attn_cp_size, bool(info.enable_dsa_cache_layer_split))
-        pp_ranks = target_stages(self.pp_rank, self.pp_size, info.pp_size)
-
-        def stages(tp_rank: int) -> list[str]:
-            return [self._rank_endpoint(bootstrap_addr, dp_rank, cp, tp_rank, pp)
-                    for cp in cp_ranks for pp in pp_ranks]
-
-        return PrefillGroup(tuple(stages(targets.source)),
-                            tuple(e for tp in targets.idle for e in stages(tp)), targets.copies)
-
-    def _connect(self, bootstrap_addr: str, dp_rank: int) -> tuple[DecodeNode, PrefillGroup]:
-        """Connect a node to the ranks of DP group ``dp_rank`` this rank talks to, over the
-        rank's shared engine (the connector thread)."""
-        group = self._group(bootstrap_addr, dp_rank)
-        backend = self.engine.user()
-        try:
-            node = DecodeNode(self.pool, backend, group.endpoints,
-                              name=f"decode-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}",
-                              request_timeout_s=self.phase_limits.node_timeout_s,
-                              in_flight_grace_s=IN_FLIGHT_GRACE_S,
-                              quarantine_timeout_s=QUARANTINE_TIMEOUT_S,
-                              aux_buffers=self.bridge.aux_buffers, secret=self.secret,
-                              checksums=self.checksums, staging_bytes=STAGING_BYTES)
-        except BaseException:
-            backend.close()  # (a node that failed closes it too: idempotent)
-            raise
-        return node, group
-
-    # ---- decode: sglang's deferred release, answered by the fence ----------------------------
-    def _log_release_bounds(self) -> None:
-        """Say once, at start-up, how sglang's release of a failed request's pages meets the fence."""
-        if not self.enable_deferred_decode_kv_release:
-            log.warning("dsa-bridge: %s is off: sglang frees a failed request's decode pages at once, "
-                        "while a prefill write into them may still land (into the next request's "
-                        "KV); dsa-bridge can only count and log each such release (forced_releases). "
-                        "Unset it to keep the pages until dsa-bridge's fence lets them go",
-                        DEFERRED_RELEASE_ENV)
-            return
-        timeout = float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get())
-        if timeout < QUARANTINE_TIMEOUT_S:
-            log.info("dsa-bridge: sglang releases a held decode destination after %s_TIMEOUT=%.0fs "
-                     "even unproven; dsa-bridge's fence may hold one up to %.0fs (a failed write: %.0fs "
-                     "after prefill's report; a silent prefill: until it is proven gone). A release "
-                     "before the fence lifts is counted (forced_releases) and logged",
-                     DEFERRED_RELEASE_ENV, timeout, QUARANTINE_TIMEOUT_S, IN_FLIGHT_GRACE_S)
-
-    def register_deferred_abort_room(self, bootstrap_room: int) -> int:
-        """sglang holds ``bootstrap_room``'s pages from now on (its receiver's abort notification,
-        which dsa-bridge's receiver sends as its own ``Abort``); returns the generation, as
-        sglang's managers do."""
-        self._abort_generation += 1
-        self._armed[bootstrap_room] = self._abort_generation
-        return self._abort_generation
-
-    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
-        """True exactly when dsa-bridge's fence lets the room's pages go (``can_release``): no
-        prefill write into them can still land. A room without a dsa-bridge request (never asked
-        of a prefill, or already released) is safe. ``required_acks`` (sglang's count of prefill
-        ranks to ack) is not needed: the fence covers every prefill rank of the request."""
-        self.forget_released()
-        receiver = self._live.get(bootstrap_room)
-        return receiver is None or receiver.can_release()
-
-    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
-        """sglang's ``_do_release`` is releasing the room's pages (drained, or at its deadline):
-        a release while the fence still holds them is forced, counted and logged."""
-        self._armed.pop(bootstrap_room, None)
-        receiver = self._live.get(bootstrap_room)
-        if receiver is not None and not receiver.can_release():
-            receiver.release_forced(
-                f"at sglang's deferred-release deadline ({DEFERRED_RELEASE_ENV}_TIMEOUT="
-                f"{float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()):g}s)")
-
-    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
-        """Whether sglang's own digest from the prefill at ``bootstrap_addr`` covers the bytes this
-        rank holds: True for a prefill dsa-bridge paired with (an MLA pool is whole on every
-        attention-TP rank, so the rank that writes holds the same pages; another layout is told
-        apart by sglang's own layout signature). Not for a prefill with attention-CP layer split:
-        the digest in the aux slot covers only the layers of the CP rank that wrote it."""
-        info = self.prefill_info_table.get(bootstrap_addr)
-        return info is not None and not (info.attn_cp_size > 1 and info.enable_dsa_cache_layer_split)
-
-    def count_forced_release(self, room: int, how: str) -> None:
-        self.forced_releases += 1
-        log.warning("dsa-bridge: room %s: sglang released its decode pages %s while dsa-bridge's "
-                    "fence still held them: a prefill write may land in them (%d such release(s))",
-                    room, how, self.forced_releases)
-
-    def track(self, receiver: BaseKVReceiver) -> None:
-        """``receiver`` has a dsa-bridge request: its fence answers for its room."""
-        self._live[receiver.bootstrap_room] = receiver
-
-    def untrack(self, receiver: BaseKVReceiver, node: DecodeNode, request: KVReceiver) -> None:
-        """sglang is done with ``receiver``: its request leaves the node now if the fence lets it,
-        else once it does (``forget_released``)."""
-        if self._live.get(receiver.bootstrap_room) is receiver:
-            del self._live[receiver.bootstrap_room]
-        self._unreleased.append((node, request))
-        self.forget_released()
-
-    def forget_released(self) -> None:
-        """Remove from their nodes the cleared requests whose fence has lifted. Called from
-        sglang's own calls on the scheduler thread (polls, clears, release checks), so no thread
-        of its own; the list is bounded by the fence's own bound (``QUARANTINE_TIMEOUT_S``)."""
-        held = []
-        for node, request in self._unreleased:
-            if request.can_release():
-                node.forget(request)
-            else:
-                held.append((node, request))
-        self._unreleased = held
-        if self.retired_nodes:
-            self._close_idle_retired()
-
-    @property
-    def unreleased_receivers(self) -> int:
-        """Requests sglang cleared whose fence still holds their pages (not yet forgotten)."""
-        return len(self._unreleased)
-
     def shutdown(self) -> None:
-        """Close the nodes (and their engines) and the stages' consensus."""
-        self._stop.set()
-        if self._stage_reporter is not None:
-            self._stage_reporter.join()
-        if self.stage_status is not None:
-            self.stage_status.close()
+        """Close the stages' consensus, the nodes and their engines."""
+        self.stages.close()
         self.early_sends.close()
         if self.prefill_aborts is not None:
             self.prefill_aborts.close()
         if self.node is not None:
             self.node.close()
-        if self._connector is not None:
-            self._connector.shutdown(wait=True)
         if self._http_calls is not None:  # a rebootstrap POST may wait for its prefill: not joined
             self._http_calls.shutdown(wait=False, cancel_futures=True)
-        self._close_decode_nodes()
-        if self.engine is not None:
-            self._registration.close()
-            self.engine.close()
+        self.decode_nodes.close()
 
 
 def _cuda() -> bool:

@@ -23,6 +23,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll, KVTransf
 from ...transfer.decode import DecodeNode, KVReceiver
 from ...transfer.handshake import HandshakeError
 from .bringup import PrefillGroup, backend_of, sglang_class
+from .deferred_release import DEFERRED_RELEASE_ENV
 from .failures import (
     ANOTHER_RANK_FAILED,
     TERMINAL,
@@ -31,7 +32,7 @@ from .failures import (
     failure_reason,
     state_problem,
 )
-from .manager import DEFERRED_RELEASE_ENV, DSABridgeKVManager
+from .manager import DSABridgeKVManager
 from .phases import PhaseClock
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         meanwhile (an abort) still tells its prefill, at once."""
         dp_rank = self._dp_rank
         try:  # the manager logs a refusal or a failed connection once, not per request
-            connected = self.kv_mgr.decode_node(self.bootstrap_addr, dp_rank)
+            connected = self.kv_mgr.decode_nodes.node_for(self.bootstrap_addr, dp_rank)
         except (HandshakeError, RuntimeError, ValueError, OSError) as exc:
             self._dp_rank = None
             self._fail(f"prefill {self.bootstrap_addr} (dp {dp_rank}): {exc}", logged=True)
@@ -94,7 +95,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
             return
         self._dp_rank = None
         self._node, self._group = connected
-        self.kv_mgr.forget_released()  # a room of a cleared request may be free again
+        self.kv_mgr.deferred_release.forget_released()  # a cleared request's room may be free again
         try:
             self._receiver = self._node.receiver(self.bootstrap_room, list(self._group.write),
                                                  reserve=self.kv_mgr.defer_allocation)
@@ -102,7 +103,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
             self._fail(f"prefill {self.bootstrap_addr} (dp {dp_rank}): {exc}")
             return
         self.bootstrap_infos = [peer.endpoint for peer in self._receiver.peers]
-        self.kv_mgr.track(self)
+        self.kv_mgr.deferred_release.track(self)
         if self._failed is not None:  # failed while connecting
             self._receiver.abort(self._failed.reason)
 
@@ -156,7 +157,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         self._recompute_failure = reason
 
     def _status(self) -> KVPoll:
-        self.kv_mgr.forget_released()
+        self.kv_mgr.deferred_release.forget_released()
         if self._recompute_failure is not None:
             reason, self._recompute_failure = self._recompute_failure, None
             if self._receiver is None or self._receiver.poll() != KVPoll.Success:
@@ -164,7 +165,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         if self._dp_rank is not None:  # its node was being connected
             self._attach()
         if self._failed is None and self._receiver is None:
-            refusal = self.kv_mgr.refusal(self.bootstrap_addr)
+            refusal = self.kv_mgr.decode_nodes.refusal(self.bootstrap_addr)
             if refusal is not None:  # sglang's queue never calls init for a refused prefill
                 self._fail(refusal, logged=True)
                 self.kv_mgr.tell_sglang_prefill(self.bootstrap_addr, self.bootstrap_room, refusal)
@@ -217,7 +218,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         """sglang releases the pages while the fence holds them: count it once (the manager)."""
         if not self._forced:
             self._forced = True
-            self.kv_mgr.count_forced_release(self.bootstrap_room, how)
+            self.kv_mgr.deferred_release.count_forced_release(self.bootstrap_room, how)
 
     def clear(self) -> None:
         """sglang is done with the request and its pages are going back to its allocator (every
@@ -235,5 +236,5 @@ class DSABridgeKVReceiver(BaseKVReceiver):
             self.release_forced(f"at once ({DEFERRED_RELEASE_ENV} off)"
                                 if not self.kv_mgr.enable_deferred_decode_kv_release
                                 else "without holding them until the fence lifted")
-        self.kv_mgr.untrack(self, self._node, self._receiver)
+        self.kv_mgr.deferred_release.untrack(self, self._node, self._receiver)
         self._receiver = None

@@ -79,7 +79,7 @@ class DSABridgeKVSender(BaseKVSender):
         self._dummy: DummyCPRequest | None = None
         if mgr.is_dummy_cp_rank:  # CP rank 0 writes the request; nothing registered for decode
             self._sender, self._dummy = None, DummyCPRequest()
-            mgr.track_stage_status(self)
+            mgr.stages.track(self)
             return
         while not mgr.node.incoming.empty():  # rooms decode announced first: informational only
             mgr.node.incoming.get_nowait()
@@ -100,7 +100,7 @@ class DSABridgeKVSender(BaseKVSender):
             self._sender.abort(route.conflict)
         elif route.register:
             mgr.register_dp_rank(bootstrap_addr, bootstrap_room)
-        mgr.track_stage_status(self)
+        mgr.stages.track(self)
 
     def mark_prefill_complete(self) -> None:
         """sglang's prefill finished computing the request (``prefill_complete`` policy, after
@@ -167,9 +167,9 @@ class DSABridgeKVSender(BaseKVSender):
         it on stage 0 (``poll_and_all_reduce_prefill_pp``) before passing the verdict on to the
         later stages; with one stage, ``poll()``."""
         own = self.poll()
-        if self.kv_mgr.stage_status is None:
+        if self.kv_mgr.stages.store is None:
             return own
-        return self.kv_mgr.stage_consensus(self.bootstrap_room, own)
+        return self.kv_mgr.stages.verdict(self.bootstrap_room, own)
 
     def failure_exception(self):
         """Raise why the request failed. sglang calls this on every TP rank once any rank's poll
@@ -201,7 +201,7 @@ class DSABridgeKVSender(BaseKVSender):
         consensus. A transfer still running is stopped (sglang frees its pages next)."""
         if self._sender is not None and self._sender.poll() not in TERMINAL:
             self._sender.abort("cleared by sglang")
-        self.kv_mgr.forget_stage_status(self.bootstrap_room)
+        self.kv_mgr.stages.forget(self.bootstrap_room)
 
     def get_transfer_metric(self) -> KVTransferMetric:
         state = self._sender.state if self._sender is not None else None

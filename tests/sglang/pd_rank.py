@@ -242,20 +242,25 @@ def run_prefill(cfg: dict, server_args, groups=None) -> dict:
 @contextlib.contextmanager
 def faulty_engine(fault: dict | None):
     """The manager's engine wrapped in ``tests/faulty.py``'s fault injection (``fault``: its
-    environment variables), while the manager is made."""
+    environment variables), while the manager is made (prefill's in ``manager``, decode's in
+    ``decode_nodes``)."""
     if not fault:
         yield
         return
+    from dsa_bridge.plugin.sglang import decode_nodes
     from dsa_bridge.plugin.sglang import manager as bridge_manager
     from tests.faulty import wrap_from_env
 
     real = bridge_manager.create_backend
-    bridge_manager.create_backend = lambda *args, **kwargs: wrap_from_env(real(*args, **kwargs),
-                                                                          environ=fault)
+    assert decode_nodes.create_backend is real
+    for module in (bridge_manager, decode_nodes):
+        module.create_backend = lambda *args, **kwargs: wrap_from_env(real(*args, **kwargs),
+                                                                      environ=fault)
     try:
         yield
     finally:
-        bridge_manager.create_backend = real
+        for module in (bridge_manager, decode_nodes):
+            module.create_backend = real
 
 
 def close(server) -> None:

@@ -96,7 +96,7 @@ def run_decode(cfg: dict, server_args) -> dict:
         time.sleep(0.01)
     # sglang sends the pages only to a receiver past Bootstrapping (its node connected)
     wait_for(lambda: receiver.poll() != KVPoll.Bootstrapping, END_S, "decode bootstrap")
-    result = {"node_timeout_s": next(iter(manager.decode_nodes.values())).request_timeout_s}
+    result = {"node_timeout_s": next(iter(manager.decode_nodes.nodes.values())).request_timeout_s}
     if receiver.poll() != KVPoll.Failed and not cfg.get("skip_metadata"):
         receiver.send_metadata(cfg["dst_pages"], cfg["dst_aux"], [cfg["dst_pages"]])
         wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), END_S, "decode end")

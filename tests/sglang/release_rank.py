@@ -170,7 +170,8 @@ def run(cfg: dict, server_args, group, warnings: Warnings) -> dict:
         result.update(poll=int(receiver.poll()),
                       checksums_verified=node.counters.snapshot().get("checksums_verified", 0))
         receiver.clear()
-        result.update(in_node_at_end=room in node._receivers, forced_releases=manager.forced_releases)
+        result.update(in_node_at_end=room in node._receivers,
+                      forced_releases=manager.deferred_release.forced_releases)
         manager.shutdown()
         return result
     queued_at = time.monotonic()
@@ -191,7 +192,7 @@ def run(cfg: dict, server_args, group, warnings: Warnings) -> dict:
                               landed_at_failure=landed(pool, cfg, expected))
             answers.append(manager.is_abort_release_safe(room, 1))  # sglang's question, each step
         if step(side):
-            unreleased_after_release = manager.unreleased_receivers
+            unreleased_after_release = manager.deferred_release.unreleased_receivers
             in_node_after_release = room in node._receivers
             give_to_new_owner(side)
         if released and time.monotonic() > released[0]["new_owner_at"] + cfg["write_window_s"]:
@@ -203,8 +204,9 @@ def run(cfg: dict, server_args, group, warnings: Warnings) -> dict:
         answers_false=answers.count(False), answers_true=answers.count(True),
         last_answer=answers[-1] if answers else None, new_owner_intact=new_owner_intact(side),
         notified=receiver.abort_notified, pairs=len(pd_rank.views(pool)) * len(cfg["dst_pages"]),
-        forced_releases=manager.forced_releases, unreleased_after_release=unreleased_after_release,
-        in_node_after_release=in_node_after_release, unreleased_at_end=manager.unreleased_receivers,
+        forced_releases=manager.deferred_release.forced_releases,
+        unreleased_after_release=unreleased_after_release, in_node_after_release=in_node_after_release,
+        unreleased_at_end=manager.deferred_release.unreleased_receivers,
         in_node_at_end=room in node._receivers, pending=queue.num_pending_deferred_releases(),
         finished=decode_req.req.finished_reason.message if decode_req.req.finished_reason else None,
         status=getattr(decode_req.req.finished_reason, "status_code", None),

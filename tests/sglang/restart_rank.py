@@ -62,8 +62,8 @@ def serve(configs: list[dict], server_args) -> list[dict]:
         else:
             result["reason"] = reason_of(receiver)
         receiver.clear()
-        result["nodes"] = len(manager.decode_nodes)
-        result["retired"] = len(manager.retired_nodes)
+        result["nodes"] = len(manager.decode_nodes.nodes)
+        result["retired"] = len(manager.decode_nodes.retired_nodes)
         results.append(result)
         print("FINISHED", flush=True)  # this request's end seen: its prefill may go now
     manager.shutdown()

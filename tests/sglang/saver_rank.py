@@ -111,10 +111,10 @@ def decode_rank(cfg: dict, server_args) -> dict:
     first.clear()
     barrier()  # 1
     running = request(cfg["room"] + 1, send=False)
-    registered = manager.engine.registered
+    registered = manager.decode_nodes.engine.registered
     DecodePreallocQueue.release_memory_occupation(queue)
-    result.update(registered_before=registered, registered_released=manager.engine.registered,
-                  nodes_released=len(manager.decode_nodes), running=int(running.poll()),
+    result.update(registered_before=registered, registered_released=manager.decode_nodes.engine.registered,
+                  nodes_released=len(manager.decode_nodes.nodes), running=int(running.poll()),
                   running_reason=pd_rank.reason_of(running))
     refused = get_kv_class(backend, KVClassType.RECEIVER)(mgr=manager, bootstrap_addr=addr,
                                                           bootstrap_room=cfg["room"] + 3)
@@ -124,7 +124,7 @@ def decode_rank(cfg: dict, server_args) -> dict:
         view.fill_(pd_rank.SENTINEL)  # the memory taken by something else, then handed back
     barrier()  # 2
     DecodePreallocQueue.resume_memory_occupation(queue)
-    result["registered_resumed"] = manager.engine.registered
+    result["registered_resumed"] = manager.decode_nodes.engine.registered
     barrier()  # 3
     time.sleep(0.2)
     second = request(cfg["room"] + 2)

@@ -479,6 +479,6 @@ def test_decode_refuses_a_prefill_it_cannot_pair_with_naming_the_flag(changes, m
                     r.failure_exception()
             logged = [r.getMessage() for r in caplog.records if "cannot pair" in r.getMessage()]
             assert len(logged) == 1 and re.search(message, logged[0])  # once for the prefill
-            assert manager.prefill_info_table == {} and manager.decode_nodes == {}
+            assert manager.prefill_info_table == {} and manager.decode_nodes.nodes == {}
     finally:
         server.close()

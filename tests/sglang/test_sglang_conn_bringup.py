@@ -39,8 +39,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode, setup_state_kv_a
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SGLangPool  # noqa: E402
 from sglang.srt.utils.network import get_local_ip_auto  # noqa: E402
 
-from dsa_bridge.plugin.sglang import bringup, conn  # noqa: E402
-from dsa_bridge.plugin.sglang import manager as bridge_manager  # noqa: E402
+from dsa_bridge.plugin.sglang import bringup, conn, decode_nodes  # noqa: E402
 from dsa_bridge.plugin.sglang.mixed import policy_mark  # noqa: E402
 from dsa_bridge.plugin.sglang.pool import BridgeDSATokenToKVPool  # noqa: E402
 from dsa_bridge.transfer.backends import create_backend  # noqa: E402
@@ -101,12 +100,12 @@ def test_a_failed_connection_is_retried_with_backoff_not_per_request(monkeypatch
     require_engine("nixl")
     made = []
 
-    class CountingDecodeNode(bridge_manager.DecodeNode):
+    class CountingDecodeNode(decode_nodes.DecodeNode):
         def __init__(self, *args, **kwargs):
             made.append(1)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(bridge_manager, "DecodeNode", CountingDecodeNode)
+    monkeypatch.setattr(decode_nodes, "DecodeNode", CountingDecodeNode)
     port = free_port()
     server = conn.DSABridgeKVBootstrapServer("127.0.0.1", port)
     with published_context(disaggregation_mode="decode", disaggregation_transfer_backend="nixl") as sa:
@@ -117,7 +116,7 @@ def test_a_failed_connection_is_retried_with_backoff_not_per_request(monkeypatch
             manager = conn.DSABridgeKVManager(kv_args(BridgeDSATokenToKVPool(**DSV32)),
                                               DisaggregationMode.DECODE, sa, True)
             now = [1000.0]
-            manager.clock = lambda: now[0]
+            manager.decode_nodes.clock = lambda: now[0]
             addr, room = f"127.0.0.1:{port}", iter(range(1, 100))
 
             def request() -> str:
@@ -142,7 +141,7 @@ def test_a_failed_connection_is_retried_with_backoff_not_per_request(monkeypatch
             assert steps == [1, 2, 2, 3, 3, 4]  # retried after 1 s, then 2 s, then 4 s
             logged = [r for r in caplog.records if "connecting to prefill" in r.getMessage()]
             assert len(logged) == 4  # once per attempt, not per request
-            assert manager.decode_nodes == {}
+            assert manager.decode_nodes.nodes == {}
             manager.shutdown()
         finally:
             prefill.close()
@@ -159,12 +158,12 @@ def test_a_handshake_runs_off_the_scheduler_thread(monkeypatch):
     require_engine("nixl")
     made = []
 
-    class RecordingDecodeNode(bridge_manager.DecodeNode):
+    class RecordingDecodeNode(decode_nodes.DecodeNode):
         def __init__(self, *args, **kwargs):
             made.append(threading.current_thread().name)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(bridge_manager, "DecodeNode", RecordingDecodeNode)
+    monkeypatch.setattr(decode_nodes, "DecodeNode", RecordingDecodeNode)
     port, context = free_port(), zmq.Context()
     silent = context.socket(zmq.ROUTER)  # a prefill rank frozen before its first answer
     silent.setsockopt(zmq.LINGER, 0)
@@ -186,7 +185,7 @@ def test_a_handshake_runs_off_the_scheduler_thread(monkeypatch):
             for receiver in (first, second):
                 with pytest.raises(RuntimeError, match=f"prefill 127.0.0.1:{silent_port} did not answer"):
                     receiver.failure_exception()
-            assert len(made) == 1 and manager.decode_nodes == {}
+            assert len(made) == 1 and manager.decode_nodes.nodes == {}
             manager.shutdown()
     finally:
         server.close()

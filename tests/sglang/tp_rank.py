@@ -158,9 +158,9 @@ def decode_rank(cfg: dict, server_args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dsa_bridge.plugin.sglang import manager as bridge_manager
+    from dsa_bridge.plugin.sglang import decode_nodes
 
-    bridge_manager.IN_FLIGHT_GRACE_S = cfg["grace_s"]
+    decode_nodes.IN_FLIGHT_GRACE_S = cfg["grace_s"]
     as_tp_rank(cfg)
     group = gloo_world(cfg)
     side = release_rank.queued_request(cfg, server_args, group, info_wait_s=240, bootstrap_wait_s=60)
@@ -185,7 +185,8 @@ def decode_rank(cfg: dict, server_args) -> dict:
         "landed_at_end": release_rank.landed(pool, cfg, expected),
         "new_owner_intact": release_rank.new_owner_intact(side),
         "finished": finished.message if finished else None,
-        "forced_releases": manager.forced_releases, "unreleased_at_end": manager.unreleased_receivers,
+        "forced_releases": manager.deferred_release.forced_releases,
+        "unreleased_at_end": manager.deferred_release.unreleased_receivers,
         "total": len(side.dst) * len(pd_rank.views(pool))}
     manager.shutdown()
     return result

@@ -131,7 +131,7 @@ def decode_rank(cfg: dict, server_args) -> dict:
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
-    from dsa_bridge.plugin.sglang import manager as bridge_manager
+    from dsa_bridge.plugin.sglang import decode_nodes
 
     as_rank(cfg)
     group = tp_group(cfg)
@@ -139,8 +139,8 @@ def decode_rank(cfg: dict, server_args) -> dict:
     for view in [*pd_rank.views(pool).values(), *pd_rank.aux_views(metadata)]:
         view.fill_(pd_rank.SENTINEL)
     engines = []  # the engines the rank builds: one, whatever the prefill groups it reads
-    real = bridge_manager.create_backend
-    bridge_manager.create_backend = lambda *args, **kwargs: engines.append(1) or real(*args, **kwargs)
+    real = decode_nodes.create_backend
+    decode_nodes.create_backend = lambda *args, **kwargs: engines.append(1) or real(*args, **kwargs)
     manager = DecodePreallocQueue._init_kv_manager(
         pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata, "decode"))
     addr = f"127.0.0.1:{cfg['port']}"
@@ -165,7 +165,7 @@ def decode_rank(cfg: dict, server_args) -> dict:
               "compared": [pd_rank.compare({**cfg, **request}, pool, metadata, receiver)
                            for receiver, request in zip(receivers, cfg["requests"], strict=True)],
               "untouched": untouched(cfg, pool), "engines": len(engines),
-              "nodes": len(manager.decode_nodes), "peers": [r.bootstrap_infos for r in receivers],
+              "nodes": len(manager.decode_nodes.nodes), "peers": [r.bootstrap_infos for r in receivers],
               "cp_routes": cp_routes(addr, info.attn_cp_size),
               "verifies_checksums": manager.should_verify_kv_checksum(addr)}
     for receiver in receivers:

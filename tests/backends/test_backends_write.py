@@ -36,14 +36,13 @@ def test_many_dsa_runs_land_byte_exact(connected) -> None:
     assert peer.ask("digest") == sha(expected), first_difference(peer, expected)
 
 
+@pytest.mark.parametrize("backend_name", ["mooncake"], indirect=True)  # batches are Mooncake's
 @pytest.mark.parametrize("max_batch, in_flight", [(1024, 2), (512, 4), (7, 3)])
 def test_mooncake_batches_in_flight_land_byte_exact(connected, monkeypatch, max_batch: int,
                                                     in_flight: int) -> None:
     """3000 runs in batches queued ahead of the one on the wire, up to the peer's 2048-entry
     bound (1024 x 2, 512 x 4) and in many small batches: every byte lands, nothing else."""
     local, peer, handle = connected
-    if local.backend.name != "mooncake":
-        pytest.skip("batches in flight are Mooncake's")
     monkeypatch.setattr(local.backend, "max_batch", max_batch)
     monkeypatch.setattr(local.backend, "batches_in_flight", in_flight)
     src, dst, length = dsa_runs(np.random.default_rng(4), 3000, local, peer)

@@ -222,24 +222,42 @@ def start_rank(role: str, cfgs: list[dict] | dict, module: str | None = None, en
 
 
 def run_ranks(ranks: list[tuple[str, list[dict] | dict]], module: str | None = None,
-              env: dict | None = None, timeout_s: float = 420) -> list:
+              env: dict | None = None, timeout_s: float = 270) -> list:
     """Every rank at once, each its own process (``start_rank``, as sglang's schedulers) stepping
     through its scenarios; their RESULTs. Output goes to files (a pipe read only after another
     process ended would fill and block a rank that logs while it waits); every process always
-    stopped."""
+    stopped. ``timeout_s`` bounds them all, below the suite's per-test timeout, so that ranks still
+    running by then fail the test with their own output's tail."""
     files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in ranks]
     procs: list[subprocess.Popen] = []
+    deadline = time.monotonic() + timeout_s
     with stopped_at_end(procs, [f for pair in files for f in pair]):
         for (role, cfgs), (out, err) in zip(ranks, files, strict=True):
             procs.append(start_rank(role, cfgs, module, env, stdout=out, stderr=err))
         results = []
         for (role, _), proc, (out, err) in zip(ranks, procs, files, strict=True):
-            proc.wait(timeout=timeout_s)
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"ranks still running after {timeout_s:.0f} s:\n"
+                                     + still_running(ranks, procs, files)) from None
             err.seek(0)
             assert proc.returncode == 0, f"{role}:\n{err.read()[-4000:]}"
             out.seek(0)
             results.append(result_of(out.read()))
         return results
+
+
+def still_running(ranks: list, procs: list[subprocess.Popen], files: list) -> str:
+    """Each rank's state and its output's last lines, for a run that timed out."""
+    parts = []
+    for (role, _), proc, (out, err) in zip(ranks, procs, files, strict=True):
+        out.seek(0)
+        err.seek(0)
+        state = "running" if proc.poll() is None else f"exited {proc.returncode}"
+        parts.append(f"--- {role} (pid {proc.pid}, {state}): stdout {out.read()[-800:]!r}\n"
+                     f"stderr {err.read()[-2000:]}")
+    return "\n".join(parts)
 
 
 def result_of(output: str):

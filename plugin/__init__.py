@@ -2,8 +2,9 @@
 
 Reading order: ``layout`` (geometry, byte math, layout hash, presets) -> ``sizing`` (bytes per
 token, capacity, allocation) -> ``descriptors`` (registered buffers and their validation) ->
-``pool`` (the SGLang-compatible ``DSATokenToKVPool``, uniform or compact; ``workers`` shares
-its CPU copies among threads). The pool (and torch) is imported on first use, so the engines and
+``pool`` (the SGLang-compatible ``DSATokenToKVPool``, uniform or compact; ``token_locs`` checks
+the token locations its operations get, ``row_copy`` plans and runs their row copies, ``workers``
+shares its CPU copies among threads). The pool (and torch) is imported on first use, so the engines and
 the planner can use the descriptors without it.
 """
 

@@ -10,13 +10,13 @@ indexer buffer by page (``loc // page_size``) and in-page offset (``loc % page_s
 token location. Every public operation validates all of its input before it touches a byte.
 On the CPU the token operations share their copies (per layer and cache part) among
 ``torch.get_num_threads()`` threads (``plugin.workers``); on a device they are index_select /
-index_copy_ kernels.
+index_copy_ kernels. The row copies themselves are ``plugin.row_copy``'s; token locations are
+checked by ``plugin.token_locs``.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,13 +27,14 @@ import torch
 
 from .descriptors import BufferDescriptor, page_bytes, to_three_lists, validate_descriptors
 from .layout import KV_DTYPES, DSALayout
+from .row_copy import copy_rows_from_host, copy_rows_to_host, covering_rows, plan_row_copy, row_view
 from .sizing import index_pages, kv_rows, resolve_index_buf_size
+from .token_locs import check_targets, check_token_locs
 from .workers import run_tasks
 
 CANARY = 0xCD
 GUARD_ALIGN = 8  # guard_bytes must keep every carved buffer aligned for its dtype
 DEFAULT_CHUNK_TOKENS = 8192
-MIN_RUN_BYTES = 32 * 1024  # from this mean run size on, row runs are copied as slices
 POOL_BUFFERS = "the pool's buffers"
 # helper threads share an operation's copies only from this mean size of a copy on: below it the
 # copies are too short to release the GIL for long, and two threads only pass it back and forth
@@ -47,100 +48,6 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _rows(t: torch.Tensor, width: int, align: int | None = None) -> torch.Tensor:
-    """The bytes of contiguous ``t`` as rows of ``width`` bytes, in the widest integer dtype that
-    divides ``align`` (default ``width``) and ``t``'s byte offset in its storage: copies then move
-    words, not single bytes. A view: writes land in ``t``."""
-    raw = t.view(torch.uint8).reshape(-1)
-    basis = math.gcd(width if align is None else align, raw.storage_offset())
-    word = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
-                if basis % d.itemsize == 0)
-    return raw.view(word).view(-1, width // word.itemsize)
-
-
-RowCopy = Callable[[torch.Tensor, torch.Tensor], None]
-
-
-def _row_copy(dst_index: torch.Tensor | None, src_index: torch.Tensor | None,
-              row_bytes: int) -> RowCopy:
-    """``copy(dst, src)``: ``dst[dst_index[i]] = src[src_index[i]]`` for every i (``None``: all
-    rows, in order) between row views of ``row_bytes`` bytes; ``dst_index`` unique. Planned once
-    for the indices, applied to every layer. Not a snapshot: the caller keeps source and target
-    rows apart. Indices are checked by the caller.
-
-    On the CPU through numpy, not torch: torch's CPU index kernels copy one element at a time
-    and fan out to intra-op threads that stall on a busy machine (docs/benchmarks.md). Where the
-    rows come in long runs (a request's tokens: whole pages) each run is one slice copy, a
-    memcpy; otherwise numpy's row gather / scatter. On a device (either side), index_select /
-    index_copy_."""
-    index = src_index if dst_index is None else dst_index
-    if index is None or index.device.type != "cpu":
-        return functools.partial(_device_copy, dst_index, src_index)
-    di = None if dst_index is None else dst_index.numpy()
-    si = None if src_index is None else src_index.numpy()
-    count = len(si if di is None else di)
-    step = np.ones(max(count - 1, 0), dtype=bool)
-    for ix in (di, si):
-        if ix is not None:
-            step &= np.diff(ix) == 1
-    cuts = [0, *(np.flatnonzero(~step) + 1).tolist(), count]
-    if (len(cuts) - 1) * MIN_RUN_BYTES <= count * row_bytes:
-        runs = [(start if di is None else int(di[start]), start if si is None else int(si[start]),
-                 end - start) for start, end in itertools.pairwise(cuts)]
-        return functools.partial(_copy_runs, runs)
-    return functools.partial(_copy_indexed, di, si)
-
-
-def _numpy_pair(dst: torch.Tensor, src: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """numpy views of two row views; in the narrower word where they differ (a host tensor at
-    an offset its word size does not divide), so a copy moves bytes, never converts values."""
-    d, s = dst.numpy(), src.numpy()
-    if d.dtype != s.dtype:
-        word = min(d.dtype, s.dtype, key=lambda t: t.itemsize)
-        d, s = d.view(word), s.view(word)
-    return d, s
-
-
-def _copy_runs(runs: list[tuple[int, int, int]], dst: torch.Tensor, src: torch.Tensor) -> None:
-    d, s = _numpy_pair(dst, src)
-    for at, frm, length in runs:
-        d[at:at + length] = s[frm:frm + length]
-
-
-def _copy_indexed(di: np.ndarray | None, si: np.ndarray | None, dst: torch.Tensor,
-                  src: torch.Tensor) -> None:
-    d, s = _numpy_pair(dst, src)
-    if di is None:
-        np.take(s, si, axis=0, out=d, mode="clip")  # clip: no buffered copy of ``out``
-    else:
-        d[di] = s if si is None else s[si]
-
-
-def _device_copy(dst_index: torch.Tensor | None, src_index: torch.Tensor | None,
-                 dst: torch.Tensor, src: torch.Tensor) -> None:
-    rows = src if src_index is None else src.index_select(0, src_index)
-    if rows.dtype != dst.dtype:  # the same bytes in dst's word
-        rows = rows.contiguous().view(torch.uint8).view(dst.dtype)
-    if dst_index is None:
-        dst.copy_(rows)  # across devices for a host copy
-    else:
-        dst.index_copy_(0, dst_index, rows.to(dst.device))
-
-
-def _save_rows(row_copy: RowCopy, view: torch.Tensor, values: torch.Tensor,
-               part: tuple[int, int]) -> None:
-    """One part of one layer of a chunk of the pool (row view ``view``) into a host copy's
-    ``values``."""
-    row_copy(_rows(values, *part), view)
-
-
-def _load_rows(row_copy: RowCopy, view: torch.Tensor, values: torch.Tensor, part: tuple[int, int],
-               dev: torch.device) -> None:
-    """One part of one layer of a chunk of a host copy into the pool; moved to the pool's
-    device here, so a device holds one such temporary at a time."""
-    row_copy(view, _rows(values.to(dev).contiguous(), *part))
-
-
 def _check_apart(spans: list[tuple[int, int, str]]) -> None:
     """Byte ranges (first, end, label) must not overlap; an error names the later one first,
     the pool's buffers (``POOL_BUFFERS``) last."""
@@ -151,12 +58,6 @@ def _check_apart(spans: list[tuple[int, int, str]]) -> None:
             raise ValueError(f"{named[0]} overlaps {named[1]}")
         if reach is None or end > reach[1]:
             reach = (first, end, label)
-
-
-def _sub_rows(byte_offsets: torch.Tensor, width: int, nbytes: int) -> torch.Tensor:
-    """Indices of the ``width``-byte rows covering ``nbytes`` bytes at each offset, in order."""
-    parts = torch.arange(nbytes // width, device=byte_offsets.device)
-    return ((byte_offsets // width)[:, None] + parts).reshape(-1)
 
 
 def resolve_kv_dtype(dtype: Any, kv_cache_dim: int | None, kv_lora_rank: int, rope: int) -> str:
@@ -204,72 +105,6 @@ class IndexerBuffers(Sequence):
     def present(self) -> list[tuple[int, torch.Tensor]]:
         """(global layer id, buffer) of every layer that holds an indexer, in layer order."""
         return list(self._buffers.items())
-
-
-def check_token_locs(name: str, locs: Any, *, device: torch.device, rows: int) -> torch.Tensor:
-    """``locs`` as int64 if it is a 1-D integer tensor on ``device`` with every location in
-    ``[0, rows)``; TypeError / ValueError naming ``name`` otherwise."""
-    if not isinstance(locs, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(locs).__name__}")
-    if locs.dtype == torch.bool or locs.dtype.is_floating_point or locs.dtype.is_complex:
-        raise TypeError(f"{name} must have an integer dtype, got {locs.dtype}")
-    if locs.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(locs.shape)}")
-    if locs.device != device:
-        raise ValueError(f"{name} is on {locs.device}, the pool is on {device}")
-    locs = locs.long()
-    if locs.numel():
-        lo, hi = (int(v) for v in torch.aminmax(locs))
-        if lo < 0 or hi >= rows:
-            raise ValueError(f"{name} out of range: location {lo if lo < 0 else hi} not in [0, {rows})")
-    return locs
-
-
-def check_targets(name: str, locs: torch.Tensor, page_size: int) -> None:
-    """Locations written to: none in padding page 0, none twice."""
-    if locs.numel() == 0:
-        return
-    low = int(locs.min())
-    if low < page_size:
-        raise ValueError(f"{name} targets padding page 0: location {low} < page_size {page_size}")
-    if torch.unique(locs).numel() != locs.numel():
-        raise ValueError(f"{name} has duplicate locations")
-
-
-def check_request_tokens(name: str, locs: torch.Tensor, page_size: int) -> None:
-    """``locs`` (checked by ``check_token_locs``) must be one request's tokens as a paged
-    allocator lays them out, as SGLang's retraction hands them to ``get_cpu_copy``: position
-    ``i`` at offset ``i % page_size`` of the request's ``i // page_size``-th page — whole pages,
-    each one's tokens in order, then at most one partial page (``seqlen - 1`` tokens); no page
-    twice (so no location twice), none the padding page 0. ValueError naming the first
-    offending position otherwise."""
-    n = locs.numel()
-    if n == 0:
-        return
-    firsts = locs[::page_size]
-    misaligned = torch.nonzero(firsts % page_size).flatten()
-    if misaligned.numel():
-        i = int(misaligned[0]) * page_size
-        raise ValueError(
-            f"{name} must be a request's tokens (each page's tokens in order from offset 0; "
-            f"whole pages but the last): position {i} holds location {int(locs[i])}, at offset "
-            f"{int(locs[i]) % page_size} of its page")
-    offsets = torch.arange(n, device=locs.device) % page_size
-    expected = firsts.repeat_interleave(page_size)[:n] + offsets
-    wrong = torch.nonzero(locs != expected).flatten()
-    if wrong.numel():
-        i = int(wrong[0])
-        raise ValueError(
-            f"{name} must be a request's tokens (each page's tokens in order from offset 0; "
-            f"whole pages but the last): position {i} holds location {int(locs[i])}, expected "
-            f"{int(expected[i])}")
-    pages = firsts // page_size
-    if int(pages.min()) == 0:
-        raise ValueError(f"{name} includes padding page 0")
-    unique, counts = torch.unique(pages, return_counts=True)
-    if unique.numel() != pages.numel():
-        raise ValueError(f"{name} has duplicate locations: page {int(unique[counts > 1][0])} "
-                         "appears twice")
 
 
 @dataclass(frozen=True)
@@ -419,14 +254,14 @@ class DSATokenToKVPool:
         self._row_views: tuple[list[tuple[torch.Tensor, ...]], ...] = ([], [])
         indexers = dict(self.index_k_with_scale_buffer.present())
         for lid, kv in zip(layout.layer_ids, self.kv_buffer, strict=True):
-            token_rows = _rows(kv, layout.kv_row_bytes)
+            token_rows = row_view(kv, layout.kv_row_bytes)
             ix = indexers.get(lid)
             if ix is None:
                 self._row_views[0].append((token_rows,))
                 self._row_views[1].append((token_rows,))
                 continue
-            self._row_views[0].append((token_rows, _rows(ix, key_w), _rows(ix, scale_w)))
-            pages = _rows(ix, page_bytes, page_align)
+            self._row_views[0].append((token_rows, row_view(ix, key_w), row_view(ix, scale_w)))
+            pages = row_view(ix, page_bytes, page_align)
             cut = pages.shape[1] * split // page_bytes
             self._row_views[1].append((token_rows, pages[:, :cut], pages[:, cut:]))
 
@@ -498,8 +333,8 @@ class DSATokenToKVPool:
         keys = base + off * lay.index_head_dim
         scales = base + self.page_size * lay.index_head_dim + off * lay.index_scale_bytes
         (_, (key_w, _), (scale_w, _)) = self._parts[0]
-        return (locs, _sub_rows(keys, key_w, lay.index_head_dim),
-                _sub_rows(scales, scale_w, lay.index_scale_bytes))
+        return (locs, covering_rows(keys, key_w, lay.index_head_dim),
+                covering_rows(scales, scale_w, lay.index_scale_bytes))
 
     # ---- descriptors ---------------------------------------------------------------------------
     def _buffers(self) -> list[tuple[int, str, torch.Tensor]]:
@@ -593,14 +428,14 @@ class DSATokenToKVPool:
         # a layer without an indexer has only its KV view: each zip over a layer's views stops
         # after it
         if not self._overlap(tgt, src):  # disjoint: straight across, every layer at once
-            copies = [_row_copy(t, s, w) for t, s, w in zip(tgt_rows, src_rows, widths, strict=True)]
+            copies = [plan_row_copy(t, s, w) for t, s, w in zip(tgt_rows, src_rows, widths, strict=True)]
             self._run([functools.partial(copy, view, view) for views in layers
                        for copy, view in zip(copies, views, strict=False)], tgt.numel())
             return
         # overlapping: each cache part's sources are first gathered into a snapshot, reused by
         # every layer in turn
-        gathers = [_row_copy(None, s, w) for s, w in zip(src_rows, widths, strict=True)]
-        scatters = [_row_copy(t, None, w) for t, w in zip(tgt_rows, widths, strict=True)]
+        gathers = [plan_row_copy(None, s, w) for s, w in zip(src_rows, widths, strict=True)]
+        scatters = [plan_row_copy(t, None, w) for t, w in zip(tgt_rows, widths, strict=True)]
         widest = max(layers, key=len)  # a layer with every cache part
         snapshots = [view.new_empty((rows.numel(), view.shape[1]))
                      for view, rows in zip(widest, src_rows, strict=False)]
@@ -654,13 +489,13 @@ class DSATokenToKVPool:
         rows between the pool's row views and the copy's host tensors, the row copy planned once
         per chunk and part. Checked by the caller."""
         dev = self.kv_buffer[0].device
-        move = functools.partial(_load_rows, dev=dev) if load else _save_rows
+        move = functools.partial(copy_rows_from_host, dev=dev) if load else copy_rows_to_host
         host = self._copy_parts(copy.kv, copy.index_keys, copy.index_scales)
         for start in range(0, copy.num_tokens, chunk_size):
             chunk = locs[start : start + chunk_size]
             by_page, end = self._whole_pages(chunk), start + chunk.numel()
             parts = self._parts[by_page]
-            copies = [_row_copy(index, None, width) if load else _row_copy(None, index, width)
+            copies = [plan_row_copy(index, None, width) if load else plan_row_copy(None, index, width)
                       for index, (width, _) in zip(self._row_index(chunk, by_page), parts, strict=True)]
             tasks = []
             for views, tensors in zip(self._row_views[by_page], host, strict=True):

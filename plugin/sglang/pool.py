@@ -35,7 +35,8 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SGLangDSATokenT
 
 from ..descriptors import BufferDescriptor, BufferSet
 from ..layout import DSALayout
-from ..pool import check_request_tokens, check_targets, check_token_locs, resolve_kv_dtype
+from ..pool import resolve_kv_dtype
+from ..token_locs import check_request_tokens, check_targets, check_token_locs
 
 _POOLS: dict[int, weakref.ref] = {}  # first KV buffer's data_ptr -> the dsa-bridge pool there
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
-from dsa_bridge.plugin.pool import check_request_tokens
+from dsa_bridge.plugin.token_locs import check_request_tokens
 
 PAGE = 64
 SIZE = 10 * PAGE

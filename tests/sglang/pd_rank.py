@@ -22,7 +22,9 @@ what prefill wrote.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
+import signal
 import sys
 import time
 from types import SimpleNamespace
@@ -341,6 +343,7 @@ def run_scenarios(run, server_fields=lambda role, cfg: {}) -> None:
     port, and ``server_fields(role, cfg)`` over them); one ``RESULT [json, ...]`` line."""
     from sglang.srt.plugins import load_plugins
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks' stacks of a hung rank
     role, configs = sys.argv[1], json.loads(sys.argv[2])
     load_plugins()
     results = []

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -249,14 +250,20 @@ def run_ranks(ranks: list[tuple[str, list[dict] | dict]], module: str | None = N
 
 
 def still_running(ranks: list, procs: list[subprocess.Popen], files: list) -> str:
-    """Each rank's state and its output's last lines, for a run that timed out."""
+    """Each rank's state and its output's last lines, for a run that timed out: a rank still
+    running first dumps every thread's stack to its stderr (``SIGUSR1``, which the rank scripts
+    hand to ``faulthandler``)."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        proc.send_signal(signal.SIGUSR1)
+    time.sleep(1.0 if running else 0.0)  # the dump is written from the signal handler
     parts = []
     for (role, _), proc, (out, err) in zip(ranks, procs, files, strict=True):
         out.seek(0)
         err.seek(0)
         state = "running" if proc.poll() is None else f"exited {proc.returncode}"
         parts.append(f"--- {role} (pid {proc.pid}, {state}): stdout {out.read()[-800:]!r}\n"
-                     f"stderr {err.read()[-2000:]}")
+                     f"stderr {err.read()[-6000:]}")
     return "\n".join(parts)
 
 

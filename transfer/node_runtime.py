@@ -4,10 +4,12 @@
 backend, and from then on owns the backend, a ZMQ context with the sockets the node makes on it
 (``socket``), and the ``ControlLoop`` that owns those sockets once started (``start``). Its tick
 runs ``backend.progress()``, then the node's tick, then copies the loop's ``bad_messages`` and
-``max_tick_gap_s`` into the node's counters. ``close`` stops the loop, closes every socket with the
-context, then closes the backend: in that order, once, and as well from a construction that
-failed half-way (the node calls it on any failure after the runtime exists; a failed registration
-closes the backend at once).
+``max_tick_gap_s`` into the node's counters. ``close`` stops the loop (which sends what is queued),
+closes every socket with the context — giving the messages still in ZMQ's queues
+``CLOSE_LINGER_MS`` to leave, so a request's last ``ChunkDone`` reaches a live peer when the node
+closes right after its request succeeded — then closes the backend: in that order, once, and as
+well from a construction that failed half-way (the node calls it on any failure after the runtime
+exists; a failed registration closes the backend at once).
 
 ``liveness`` is the node's ``liveness.Liveness`` (pure, time passed in): when the next heartbeat
 is due, and when a peer that has not been heard from counts as silent.
@@ -24,6 +26,8 @@ from .backends.base import TransferBackend
 from .control import ControlLoop, OnMessage, limit_receive
 from .counters import Counters
 from .liveness import Liveness
+
+CLOSE_LINGER_MS = 500  # at close, the longest queued messages may take to leave (a dead peer's wait)
 
 
 class NodeRuntime:
@@ -67,7 +71,7 @@ class NodeRuntime:
             return
         self.closed = True
         self.loop.stop()
-        self.context.destroy(0)
+        self.context.destroy(CLOSE_LINGER_MS)
         self.backend.close()
 
     def _tick(self, now: float) -> None:

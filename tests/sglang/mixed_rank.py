@@ -65,7 +65,7 @@ def run_prefill(cfg: dict, server_args) -> dict:
     get_parallel().override_permanently(pp_group=None)  # one stage: sglang's manager keeps it only
     pool, metadata = make_pool(cfg, bridge=False), metadata_buffers()
     manager = PrefillBootstrapQueue._init_kv_manager(
-        scheduler_stand_in(cfg, server_args, pool, metadata, "prefill"))
+        scheduler_stand_in(cfg, server_args, pool, metadata))
     sender = get_kv_class(backend, KVClassType.SENDER)(
         mgr=manager, bootstrap_addr=f"127.0.0.1:{cfg['port']}", bootstrap_room=cfg["room"])
     foreign = getattr(server, "foreign_decodes", None)
@@ -99,7 +99,7 @@ def run_decode(cfg: dict, server_args) -> dict:
     init_engine(cfg, manager_class(cfg))
     pool, metadata = make_pool(cfg, bridge=True), metadata_buffers()
     manager = DecodePreallocQueue._init_kv_manager(
-        scheduler_stand_in(cfg, server_args, pool, metadata, "decode"))
+        scheduler_stand_in(cfg, server_args, pool, metadata))
     addr = f"127.0.0.1:{cfg['port']}"
     url = (f"http://{addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1"
            "&target_pp_rank=-1" + marked_route_query())  # the test's own look: not counted

@@ -107,7 +107,7 @@ def metadata_buffers():
                            max_sampling_mask_tokens=16)
 
 
-def scheduler_stand_in(cfg: dict, server_args, pool, metadata, mode: str):
+def scheduler_stand_in(cfg: dict, server_args, pool, metadata):
     """The scheduler attributes sglang's ``_init_kv_manager`` reads, around sglang's own objects."""
     from sglang.srt.disaggregation.utils import TransferBackend, is_mla_backend
 
@@ -177,26 +177,43 @@ def stage_bootstrap(cfg: dict, make_sender, groups, incoming) -> tuple[object, d
 
 
 def run_prefill(cfg: dict, server_args, groups=None) -> dict:
-    from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
-    backend = TransferBackend(cfg["engine"])
-    server = (get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=cfg["port"])
+    server = (get_kv_class(TransferBackend(cfg["engine"]), KVClassType.BOOTSTRAP_SERVER)(
+        host="127.0.0.1", port=cfg["port"])
               if cfg.get("pp_rank", 0) == 0 else None)  # one server per prefill (sglang's main process)
     pool, metadata = make_pool(cfg, bridge=cfg.get("bridge_pool", False)), metadata_buffers()
-    stand_in = scheduler_stand_in(cfg, server_args, pool, metadata, "prefill")
+    stand_in = scheduler_stand_in(cfg, server_args, pool, metadata)
     stand_in.pp_rank = cfg.get("pp_rank", 0)
     with faulty_engine(cfg.get("fault")):
-        manager = PrefillBootstrapQueue._init_kv_manager(stand_in)
-    result = {"manager": type(manager).__qualname__, "server": type(server).__qualname__,
-              "layers": manager.bridge.kv_layer_ids,
+        manager = prefill_manager(stand_in)
+    try:
+        return {"server": type(server).__qualname__, **prefill_request(cfg, manager, pool, metadata, groups)}
+    finally:
+        manager.shutdown()
+        close(server)
+
+
+def prefill_manager(stand_in):
+    """The prefill rank's manager, from sglang's own ``PrefillBootstrapQueue._init_kv_manager``."""
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+
+    return PrefillBootstrapQueue._init_kv_manager(stand_in)
+
+
+def prefill_request(cfg: dict, manager, pool, metadata, groups=None) -> dict:
+    """One request through ``manager``, as sglang's prefill queues make their calls (module
+    docstring); what prefill saw."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    result = {"manager": type(manager).__qualname__, "layers": manager.bridge.kv_layer_ids,
               "state_layer_ids": manager.kv_args.state_layer_ids,
               "kv_layer_ids": manager.kv_args.kv_layer_ids}
     print("READY", flush=True)
 
     def make_sender():
-        return get_kv_class(backend, KVClassType.SENDER)(
+        return get_kv_class(TransferBackend(cfg["engine"]), KVClassType.SENDER)(
             mgr=manager, bootstrap_addr=f"127.0.0.1:{cfg['port']}", bootstrap_room=cfg["room"])
 
     if groups is not None:
@@ -213,8 +230,6 @@ def run_prefill(cfg: dict, server_args, groups=None) -> dict:
         result["reason"] = reason_of(sender)
     if sender.poll() in (KVPoll.Bootstrapping, KVPoll.Failed):
         result.update(poll=int(sender.poll()), refused=list(manager.node.refusals))
-        manager.shutdown()
-        close(server)
         return result
     assert sender.poll() == KVPoll.WaitingForInput, sender.poll()
     prefix = sender.pop_decode_prefix_len()  # sglang's finalize_bootstrap: start_send_idx
@@ -236,8 +251,6 @@ def run_prefill(cfg: dict, server_args, groups=None) -> dict:
     if cfg.get("killed_after"):  # served: now it waits, connected, until the test kills it
         print("SERVED", flush=True)
         time.sleep(600)
-    manager.shutdown()
-    close(server)
     return result
 
 
@@ -271,23 +284,36 @@ def close(server) -> None:
 
 
 def run_decode(cfg: dict, server_args) -> dict:
-    from sglang.srt.disaggregation.base.conn import KVPoll
+    pool, metadata = make_pool(cfg, bridge=cfg.get("bridge_pool", True)), metadata_buffers()
+    stand_in = scheduler_stand_in(cfg, server_args, pool, metadata)
+    stand_in.pp_rank = cfg.get("pp_rank", 0)
+    manager = decode_manager(stand_in)
+    try:
+        return decode_request(cfg, manager, pool, metadata)
+    finally:
+        manager.shutdown()
+
+
+def decode_manager(stand_in):
+    """The decode rank's manager, from sglang's own ``DecodePreallocQueue._init_kv_manager``."""
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
+    return DecodePreallocQueue._init_kv_manager(stand_in)
+
+
+def decode_request(cfg: dict, manager, pool, metadata) -> dict:
+    """One request through ``manager`` into a pool at the sentinel, as sglang's decode queues
+    make their calls (module docstring); what decode saw and holds."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
-    backend = TransferBackend(cfg["engine"])
-    pool, metadata = make_pool(cfg, bridge=cfg.get("bridge_pool", True)), metadata_buffers()
     for view in [*views(pool).values(), *aux_views(metadata)]:
         view.fill_(SENTINEL)
-    stand_in = scheduler_stand_in(cfg, server_args, pool, metadata, "decode")
-    stand_in.pp_rank = cfg.get("pp_rank", 0)
-    manager = DecodePreallocQueue._init_kv_manager(stand_in)
     addr = f"127.0.0.1:{cfg['port']}"
-    result_layers = manager.bridge.kv_layer_ids
-    receiver = get_kv_class(backend, KVClassType.RECEIVER)(mgr=manager, bootstrap_addr=addr,
-                                                           bootstrap_room=cfg["room"])
+    receiver = get_kv_class(TransferBackend(cfg["engine"]), KVClassType.RECEIVER)(
+        mgr=manager, bootstrap_addr=addr, bootstrap_room=cfg["room"])
     result = {"manager": type(manager).__qualname__, "receiver": type(receiver).__qualname__,
-              "layers": result_layers}
+              "layers": manager.bridge.kv_layer_ids}
     wait_for(lambda: manager.try_ensure_parallel_info(addr), 180, "prefill parallel info")  # a loaded host
     info = manager.prefill_info_table[addr]
     receiver.init(0 if info.dp_size == 1 else cfg["room"] % info.dp_size)
@@ -296,7 +322,6 @@ def run_decode(cfg: dict, server_args) -> dict:
         result["reason"] = reason_of(receiver)
         result.update(poll=int(receiver.poll()),
                       untouched=all(bool((v == SENTINEL).all()) for v in views(pool).values()))
-        manager.shutdown()
         return result
     prefix = cfg.get("prefix_tokens", 0)  # decode's radix cache holds the first pages
     dst = cfg["dst_pages"][-(-prefix // 64):]
@@ -307,7 +332,6 @@ def run_decode(cfg: dict, server_args) -> dict:
         result["reason"] = reason_of(receiver)
     result.update(compare(cfg, pool, metadata, receiver))
     receiver.clear()
-    manager.shutdown()
     return result
 
 

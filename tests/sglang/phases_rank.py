@@ -46,7 +46,7 @@ def run_prefill(cfg: dict, server_args) -> dict:
     server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=cfg["port"])
     pool, metadata = make_pool(cfg, bridge=False), metadata_buffers()
     manager = PrefillBootstrapQueue._init_kv_manager(
-        scheduler_stand_in(cfg, server_args, pool, metadata, "prefill"))
+        scheduler_stand_in(cfg, server_args, pool, metadata))
     result = {"node_timeout_s": manager.node.request_timeout_s}
     wait_for(lambda: Path(cfg["sync"]).exists(), 180, "decode ready")
     sender = get_kv_class(backend, KVClassType.SENDER)(
@@ -82,7 +82,7 @@ def run_decode(cfg: dict, server_args) -> dict:
     for view in [*views(pool).values(), *aux_views(metadata)]:
         view.fill_(SENTINEL)
     manager = DecodePreallocQueue._init_kv_manager(
-        scheduler_stand_in(cfg, server_args, pool, metadata, "decode"))
+        scheduler_stand_in(cfg, server_args, pool, metadata))
     addr = f"127.0.0.1:{cfg['port']}"
     wait_for(lambda: manager.try_ensure_parallel_info(addr), 180, "prefill parallel info",
              poll_s=0.2)  # sglang asks once a second

@@ -91,7 +91,7 @@ def prealloc_queue(cfg: dict, server_args, pool, metadata):
     if not dist.is_initialized():  # (a process's later scenarios reuse its world)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['dist_port']}", world_size=1,
                                 rank=0)
-    stand_in = pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata, "decode")
+    stand_in = pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata)
     stand_in.scheduler.metrics_reporter = type("Metrics", (), {"enable_metrics": False})()
     queue = object.__new__(DecodePreallocQueue)
     queue.__dict__.update(vars(stand_in))

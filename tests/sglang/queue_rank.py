@@ -99,7 +99,7 @@ def bootstrap_queue(cfg: dict, server_args):
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     pool, metadata = pd_rank.make_pool(cfg, bridge=False), pd_rank.metadata_buffers()
-    stand_in = pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata, "prefill")
+    stand_in = pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata)
     allocator = PagedTokenToKVPoolAllocator(PAGE * cfg["pages"], PAGE, torch.float8_e4m3fn, "cpu",
                                             pool, need_sort=False)
     req_to_token_pool = ReqToTokenPool(4, 16 * PAGE, "cpu", False)

@@ -105,7 +105,7 @@ def queued_request(cfg: dict, server_args, group, info_wait_s: float = 180,
     expected = pd_rank.make_pool(cfg, bridge=False)
     pd_rank.fill_pool(expected, cfg["seed"])
     manager = DecodePreallocQueue._init_kv_manager(
-        pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata, "decode"))
+        pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata))
     released: list[dict] = []
     queue = transfer_queue(manager, metadata, group, released)
     addr, room = f"127.0.0.1:{cfg['port']}", cfg["room"]

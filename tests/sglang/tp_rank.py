@@ -85,7 +85,7 @@ def prefill_manager(cfg: dict, server_args, pool=None):
     metadata = pd_rank.metadata_buffers()
     with pd_rank.faulty_engine(cfg.get("fault")):
         manager = PrefillBootstrapQueue._init_kv_manager(
-            pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata, "prefill"))
+            pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata))
     return server, pool, metadata, manager
 
 

@@ -142,7 +142,7 @@ def decode_rank(cfg: dict, server_args) -> dict:
     real = decode_nodes.create_backend
     decode_nodes.create_backend = lambda *args, **kwargs: engines.append(1) or real(*args, **kwargs)
     manager = DecodePreallocQueue._init_kv_manager(
-        pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata, "decode"))
+        pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata))
     addr = f"127.0.0.1:{cfg['port']}"
     wait_for(lambda: manager.try_ensure_parallel_info(addr), 240, "prefill parallel info")
     info = manager.prefill_info_table[addr]

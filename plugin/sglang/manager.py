@@ -53,7 +53,8 @@ and decode refuses a prefill of the other one.
 Each buffer is registered as the memory its pointer is (``memory_kinds``); HiSparse on decode is
 refused at start-up. sglang's memory saver releases the cache through
 ``deregister_buffer_to_engine`` (running requests fail, the cache leaves the engines first) and
-resumes it through ``register_buffer_to_engine``.
+resumes it through ``register_buffer_to_engine``. sglang's runtime role switch tears the manager
+down (``teardown``: as ``shutdown``) and makes the other role's over the same pool.
 
 sglang's deferred decode release (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``, on by
 default) is answered by dsa-bridge's fence: the manager supports it, ``register_deferred_abort_room``
@@ -121,6 +122,9 @@ class DSABridgeKVManager(BaseKVManager):
     # sglang holds a failed request's decode pages until ``is_abort_release_safe``: answered by
     # dsa-bridge's fence (``KVReceiver.can_release``), not by an ack count
     supports_deferred_decode_kv_release = True
+    # sglang's P<->D role switch (``--enable-pd-role-switch``) tears this manager down
+    # (``teardown``) and makes the other role's over the same pool
+    supports_role_switch = True
 
     def __new__(cls, args, disaggregation_mode, server_args, is_mla_backend=False, **kwargs):
         problem = dsa_problem(args)
@@ -433,6 +437,15 @@ class DSABridgeKVManager(BaseKVManager):
             if self.prefill_aborts is None:
                 self.prefill_aborts = PrefillAborts(KV_LAYOUT_MARK)
         self.prefill_aborts.notify(bootstrap_addr, room, reason)
+
+    def teardown(self) -> None:
+        """sglang's role switch (``role_switch.teardown_disaggregation``, only on an instance
+        with no request left): the manager closes as ``shutdown`` does, its engines releasing
+        the pool's registration; the pool stays, and sglang makes the other role's manager over
+        it."""
+        log.info("dsa-bridge: %s rank torn down for sglang's role switch",
+                 self.disaggregation_mode.value)
+        self.shutdown()
 
     def shutdown(self) -> None:
         """Close the stages' consensus, the nodes and their engines."""

@@ -38,7 +38,7 @@ def serve(configs: list[dict], server_args) -> list[dict]:
     backend = TransferBackend(first["engine"])
     pool, metadata = make_pool(first, bridge=True), metadata_buffers()
     manager = DecodePreallocQueue._init_kv_manager(scheduler_stand_in(first, server_args, pool,
-                                                                      metadata, "decode"))
+                                                                      metadata))
     addr = f"127.0.0.1:{first['port']}"
     results = []
     for cfg in configs:

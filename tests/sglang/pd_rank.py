@@ -121,6 +121,12 @@ def scheduler_stand_in(cfg: dict, server_args, pool, metadata):
         metadata_buffers=metadata, enable_staging=False)
 
 
+# sglang's ``GroupCoordinator`` over gloo alone: none of its device communicators
+GLOO_GROUP = dict(use_pynccl=False, use_mscclpp=False, use_custom_allreduce=False,
+                  use_torch_symm_mem_all_reduce=False, use_hpu_communicator=False,
+                  use_xpu_communicator=False)
+
+
 def stage_groups(cfg: dict):
     """sglang's ``GroupCoordinator`` for the pipeline stages (one process each, gloo over
     ``dist_port``) and size-1 attention TP and CP groups, published as sglang's scheduler
@@ -133,11 +139,8 @@ def stage_groups(cfg: dict):
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['dist_port']}",
                                 world_size=size, rank=rank)
-    flags = dict(use_pynccl=False, use_mscclpp=False, use_custom_allreduce=False,
-                 use_torch_symm_mem_all_reduce=False, use_hpu_communicator=False,
-                 use_xpu_communicator=False)
-    pp = GroupCoordinator([list(range(size))], rank, "gloo", group_name="pp", **flags)
-    tp, cp = (GroupCoordinator([[r] for r in range(size)], rank, "gloo", group_name=n, **flags)
+    pp = GroupCoordinator([list(range(size))], rank, "gloo", group_name="pp", **GLOO_GROUP)
+    tp, cp = (GroupCoordinator([[r] for r in range(size)], rank, "gloo", group_name=n, **GLOO_GROUP)
               for n in ("attn_tp", "attn_cp"))
     get_parallel().override_permanently(pp_group=pp)
     return pp, tp, cp

@@ -116,11 +116,8 @@ def layer_split_pool(cfg: dict):
     from sglang.srt.mem_cache.dsa_cache_layer_split import LayerSplitDSATokenToKVPool
     from sglang.srt.runtime_context import get_parallel
 
-    flags = dict(use_pynccl=False, use_mscclpp=False, use_custom_allreduce=False,
-                 use_torch_symm_mem_all_reduce=False, use_hpu_communicator=False,
-                 use_xpu_communicator=False)
     cp = GroupCoordinator([list(range(cfg["world"]))], cfg["dist_rank"], "gloo",
-                          group_name="attn_cp", **flags)
+                          group_name="attn_cp", **pd_rank.GLOO_GROUP)
     get_parallel().override_permanently(attn_cp_group=cp, enable_dsa_cache_layer_split=True)
     return LayerSplitDSATokenToKVPool(**pd_rank.pool_kwargs(cfg), layer_shard_rank=cp.rank_in_group,
                                       layer_shard_size=cp.world_size)

@@ -204,6 +204,7 @@ class DSABridgeKVManager(BaseKVManager):
         self.early_sends = EarlySendDispatcher(  # chunks held until sglang's forward wrote them
             f"dp{self.attn_dp_rank}-tp{self.attn_tp_rank}-pp{self.pp_rank}")
         self.memory_released = False  # sglang's memory saver released the cache (not resumed)
+        self._route_url: str | None = None  # where this rank's row went (register_to_bootstrap)
         if prefill:
             try:
                 auth.check_listener(self.local_ip, self.secret, allow_insecure=False)
@@ -297,7 +298,14 @@ class DSABridgeKVManager(BaseKVManager):
     # ---- prefill: the bootstrap registration -------------------------------------------------
     def register_to_bootstrap(self) -> None:
         """Register this rank's control endpoint with sglang's bootstrap server (``PUT /route``)
-        at the host and port sglang's own managers register to."""
+        at the host and port sglang's own managers register to. With sglang's Rust server and
+        DP attention (``SGLANG_RUST_SERVER``, attention DP above 1), as sglang's managers do,
+        every rank's row is gathered over the world group and each rank that owns a Rust
+        listener (``rust_http_port``) puts them all into its own registry. Only the first
+        registration, at start-up, where every rank registers at once, is collective; a rank
+        that registers again alone (its resumed cache on a new port) puts its own row where it
+        put it first."""
+        first = self._route_url is None
         host, port = self.node.endpoint.rsplit(":", 1)
         payload = {
             "attn_tp_size": self.attn_tp_size, "attn_tp_rank": self.attn_tp_rank,
@@ -313,25 +321,32 @@ class DSABridgeKVManager(BaseKVManager):
             "enable_dsa_cache_layer_split": bool(get_parallel().enable_dsa_cache_layer_split),
             "enable_kv_cache_sharding": bool(get_parallel().enable_kv_cache_sharding),
         }
-        dist_init_addr = get_parallel().dist_init_addr
-        bootstrap_port = get_disagg().disaggregation_bootstrap_port
-        if dist_init_addr and get_parallel().nnodes > 1:  # each host may have reserved its own port
-            bootstrap_port = get_parallel().world_group.broadcast_object(bootstrap_port, src=0)
-        url = NetworkAddress(bootstrap_host(get_serving().host, dist_init_addr), bootstrap_port).to_url()
-        url += "/route"
-        deadline = time.monotonic() + REGISTER_WAIT_S
-        while True:  # the bootstrap server (another process) may not be listening yet
-            try:
-                response = requests.put(url, json=payload, timeout=HTTP_TIMEOUT_S)
-                break
-            except requests.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        if response.status_code != 200:
-            raise RuntimeError(f"dsa-bridge: the bootstrap server at {url} refused this prefill rank: "
-                               f"{response.status_code} {response.text}")
-        log.info("dsa-bridge: prefill rank %s registered at %s%s", self.node.endpoint, url,
+        if envs.SGLANG_RUST_SERVER.get() and self.attn_dp_size > 1:
+            rows = get_parallel().world_group.all_gather_object(payload) if first else [payload]
+            rust_port = getattr(self.kv_args, "rust_http_port", None)
+            if rust_port is None:  # no Rust listener on this rank: the ranks with one put its row
+                if not first:
+                    log.warning("dsa-bridge: prefill rank %s moved to a new port that cannot be "
+                                "registered: it has no Rust listener, and the ranks that have one "
+                                "put rows into their registries only at start-up", self.node.endpoint)
+                self._route_url = ""
+                return
+            self._route_url = NetworkAddress(bootstrap_host(get_serving().host, None),
+                                             rust_port).to_url() + "/route"
+            for row in rows:
+                put_route(self._route_url, {**row, "prefill_http_port": rust_port})
+            log.info("dsa-bridge: prefill rank %s put %d rank(s) into its Rust registry at %s",
+                     self.node.endpoint, len(rows), self._route_url)
+            return
+        if first:
+            dist_init_addr = get_parallel().dist_init_addr
+            bootstrap_port = get_disagg().disaggregation_bootstrap_port
+            if dist_init_addr and get_parallel().nnodes > 1:  # each host may have reserved its own port
+                bootstrap_port = get_parallel().world_group.broadcast_object(bootstrap_port, src=0)
+            self._route_url = NetworkAddress(bootstrap_host(get_serving().host, dist_init_addr),
+                                             bootstrap_port).to_url() + "/route"
+        put_route(self._route_url, payload)
+        log.info("dsa-bridge: prefill rank %s registered at %s%s", self.node.endpoint, self._route_url,
                  f" as attention CP rank {self.attn_cp_rank} of {self.attn_cp_size}, writing nothing "
                  "(CP rank 0 writes every request)" if self.is_dummy_cp_rank else "")
 
@@ -458,6 +473,23 @@ class DSABridgeKVManager(BaseKVManager):
         if self._http_calls is not None:  # a rebootstrap POST may wait for its prefill: not joined
             self._http_calls.shutdown(wait=False, cancel_futures=True)
         self.decode_nodes.close()
+
+
+def put_route(url: str, payload: dict) -> None:
+    """``PUT`` one prefill rank's row into sglang's bootstrap server (or Rust registry) at
+    ``url``, waiting up to ``REGISTER_WAIT_S`` for it to listen (another process may start it)."""
+    deadline = time.monotonic() + REGISTER_WAIT_S
+    while True:
+        try:
+            response = requests.put(url, json=payload, timeout=HTTP_TIMEOUT_S)
+            break
+        except requests.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    if response.status_code != 200:
+        raise RuntimeError(f"dsa-bridge: the bootstrap server at {url} refused this prefill rank: "
+                           f"{response.status_code} {response.text}")
 
 
 def _cuda() -> bool:

@@ -64,12 +64,13 @@ class SwitchingScheduler:
 
     @property
     def kv_manager(self):
-        """The role's manager; None once sglang's teardown dropped it (a failed switch)."""
+        """The role's manager; None once sglang's teardown dropped it, or before the role's queue
+        exists (a failed switch)."""
         from sglang.srt.disaggregation.utils import DisaggregationMode
 
-        queue = (self.disagg_prefill_bootstrap_queue
-                 if self.disaggregation_mode == DisaggregationMode.PREFILL
-                 else self.disagg_decode_prealloc_queue)
+        queue = getattr(self, "disagg_prefill_bootstrap_queue"
+                        if self.disaggregation_mode == DisaggregationMode.PREFILL
+                        else "disagg_decode_prealloc_queue", None)
         return None if queue is None else queue.kv_manager
 
 

@@ -129,6 +129,16 @@ def check_stages(decode: DSALayout, stages: Sequence[tuple[str, DSALayout]]) -> 
         raise ValueError(f"layer {missing[0]}: none of the request's prefill nodes ({names}) holds it")
 
 
+def check_shares(decode: DSALayout, writers: Sequence[tuple[str, DSALayout]]) -> None:
+    """The prefill nodes ``(name, layout)`` that each write a share of a request's pages hold
+    every one of decode's layers; ValueError naming the first layer one of them lacks."""
+    for name, layout in writers:
+        missing = [lid for lid in decode.layer_ids if lid not in set(layout.layer_ids)]
+        if missing:
+            raise ValueError(f"layer {missing[0]}: prefill {name} writes a share of the pages "
+                             "and does not hold it")
+
+
 def pair_with_peer(peer_layout: DSALayout, local: list[BufferDescriptor], peer: list[BufferDescriptor],
                    keys: Sequence[BufferKey]) -> PairTable:
     """Validate the peer's announced buffers against its layout and pair the ``keys`` buffers

@@ -85,6 +85,9 @@ class WritePlan:
         return len(self.length)
 
 
+NO_WRITES = WritePlan(*(np.zeros(0, dtype=np.uint64) for _ in range(3)), runs=0)
+
+
 def buffer_order(key: tuple[int, str]) -> tuple[int, int]:
     """Sort (layer id, kind) by layer, then KV before indexer."""
     layer_id, kind = key
@@ -284,6 +287,8 @@ def plan_chunk(pairs: Sequence[BufferPair], src_pages: object, dst_pages: object
                aux_dst: int | None = None) -> WritePlan:
     """One chunk of a request: its pages in every paired buffer (``plan_writes``) and, when it is
     the request's ``last`` chunk, its aux slot ``aux_src`` into decode's ``aux_dst``
-    (``with_aux_writes``). Raises PlanError before producing any address."""
-    plan = plan_writes(pairs, src_pages, dst_pages)
+    (``with_aux_writes``). A last chunk may hold no page (a share writer whose share ended
+    earlier): then only its aux slot, if any. Raises PlanError before producing any address."""
+    src, dst = as_page_ids(src_pages, "src_pages"), as_page_ids(dst_pages, "dst_pages")
+    plan = NO_WRITES if last and src.size == 0 and dst.size == 0 else plan_writes(pairs, src, dst)
     return with_aux_writes(plan, aux_pairs, aux_src, aux_dst) if last else plan

@@ -38,6 +38,8 @@ from ..plugin.descriptors import MAX_KIND_CHARS, BufferDescriptor
 # sent only by a decode whose width differs from its prefill's.
 # Deferred decode allocation added two messages (Reserve, PrefillReady) sent only by nodes whose
 # application asks for it: version 3 peers without it still pair.
+# Page shares added one optional field (ChunkDone.positions), sent only by a prefill whose
+# application writes a share of a request's pages (sglang's KV sharding, prefill CP's page split).
 PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # of any message; each node's sockets take less (limits.py)
 
@@ -59,6 +61,7 @@ MAX_AUX_BUFFERS = 64  # SGLang's metadata buffers: about ten
 MAX_SLICES = 4096  # of one staging area (256 MiB in slices of 64 KiB)
 MAX_ROOM = 2**63 - 1  # room ids are SGLang bootstrap rooms: non-negative 63-bit
 MAX_COPIES = 64  # decode nodes one request goes to from one prefill node: the widest attention TP
+MAX_POSITIONS = 1 << 20  # pages of one chunk's share (a 64M-token request in pages of 64)
 
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
@@ -148,7 +151,10 @@ class ChunkDone(msgspec.Struct, frozen=True, tag="chunk_done"):
     """Prefill finished (ok) or gave up on (not ok) a chunk; ``in_flight`` says whether a write
     into decode's pages may still land (engine failure or timeout) so decode must not reuse them yet.
     ``checksums`` (optional, so older peers still decode the message) come with an ok chunk from a
-    prefill node that computes them."""
+    prefill node that computes them. ``positions``: the chunk of a share writer (one of several
+    prefill nodes that each write a share of the request's pages, every layer of each) names
+    the request's pages it wrote, ascending; its checksums then cover those pages in that order
+    (``offset`` 0). None: the chunk continues the request's pages where the last one ended."""
 
     room: int
     chunk: int
@@ -161,6 +167,7 @@ class ChunkDone(msgspec.Struct, frozen=True, tag="chunk_done"):
     in_flight: bool = False
     checksums: PageChecksums | None = None
     slices: int = 0  # staging slices that carried the chunk (``SliceWritten`` before this)
+    positions: Annotated[list[int], msgspec.Meta(max_length=MAX_POSITIONS)] | None = None
 
 
 class SliceWritten(msgspec.Struct, frozen=True, tag="slice"):

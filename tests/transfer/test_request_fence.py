@@ -31,6 +31,40 @@ def test_verified_counts_per_stage():
     assert parts.verified == {A: 5, B: 0}
 
 
+def test_share_writers_are_counted_by_the_pages_each_named():
+    parts = RequestParts(["a", "b"], shares=True)
+    parts.start(4)
+    assert parts.positions("a", [0, 2]) == ""
+    assert parts.positions("b", []) == ""  # an empty last chunk
+    assert parts.positions("b", [1]) == ""
+    assert (parts.pages_of("a", 4), parts.pages_of("b", 4)) == (2, 1)
+    assert parts.unwritten() == ("1 of the request's 4 pages were written by no prefill node "
+                                 "(the first: page 3)")
+    assert parts.positions("b", [3]) == "" and parts.unwritten() == ""
+
+
+def test_share_positions_out_of_order_out_of_range_or_twice_are_refused():
+    parts = RequestParts(["a", "b"], shares=True)
+    assert parts.positions("a", [0]) == "prefill a wrote a share of the pages before decode named them"
+    parts.start(4)
+    assert "out of order or twice" in parts.positions("a", [2, 1])
+    assert "out of order or twice" in parts.positions("a", [1, 1])
+    assert parts.positions("a", [1, 4]) == "prefill a wrote page 4 of a request of 4 pages"
+    assert parts.positions("a", [-1]) == "prefill a wrote page -1 of a request of 4 pages"
+    assert parts.positions("a", [1]) == ""
+    assert parts.positions("b", [0, 1]) == "page 1 of the request was written by two prefill nodes"
+    assert parts.share_pages == {"a": 1, "b": 0}  # a refused chunk counts nothing
+    assert "without naming its pages" in parts.positions("b", None)
+
+
+def test_a_whole_request_reader_refuses_named_pages():
+    parts = RequestParts(["a"])
+    parts.start(4)
+    assert parts.positions("a", None) == "" and parts.pages_of("a", 4) == 4
+    assert "wrote a share of the request's pages" in parts.positions("a", [0])
+    assert parts.unwritten() == ""
+
+
 def test_held_while_any_prefill_may_still_write():
     fence = RequestFence([A, B])
     assert fence.release_time() is None

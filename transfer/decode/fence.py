@@ -1,9 +1,12 @@
 """Decode's bookkeeping of one request (room), pure: no sockets, threads or clocks.
 
-A request is fed by one prefill node or by several pipeline stages (named by their endpoints).
+A request is fed by one prefill node, by several pipeline stages (each writing its layers of
+every page), or by share writers (each writing every layer of its share of the pages, which only
+the prefill knows: each chunk names its pages), all named by their endpoints.
 
-``RequestParts`` counts what each of them reported (bytes, verified checksums, last chunk) and says
-whether a part is complete and reported once, and whether every part is.
+``RequestParts`` counts what each of them reported (bytes, verified checksums, last chunk, and a
+share writer's pages) and says whether a part is complete and reported once, and whether every
+part is: for share writers, whether each of the request's pages was written by exactly one.
 
 ``RequestFence`` knows who may still write into the request's pages:
 
@@ -23,20 +26,71 @@ anyway, and that is reported as an expiry (counted, never silent).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 
 class RequestParts:
-    """What each prefill part of one request reported: bytes, verified checksums, last chunk."""
+    """What each prefill part of one request reported: bytes, verified checksums, last chunk;
+    with ``shares``, the pages each share writer wrote."""
 
-    def __init__(self, peers: Iterable[str]):
+    def __init__(self, peers: Iterable[str], *, shares: bool = False):
         self.peers = list(peers)
+        self.shares = shares
         self.received = dict.fromkeys(self.peers, 0)  # bytes each prefill reported written
         self.verified = dict.fromkeys(self.peers, 0)  # (buffer, page) checksums verified
         self.finished: set[str] = set()  # prefills whose last chunk arrived
+        self.share_pages = dict.fromkeys(self.peers, 0)  # pages each share writer wrote
+        self._written: np.ndarray | None = None  # share writers: which of the pages were written
+
+    def start(self, num_pages: int) -> None:
+        """The request's page count is known (decode's ``init``)."""
+        if self.shares:
+            self._written = np.zeros(num_pages, dtype=bool)
 
     def chunk(self, peer: str, nbytes: int) -> None:
         self.received[peer] += nbytes
+
+    def positions(self, peer: str, positions: Sequence[int] | None) -> str:
+        """The pages (positions in the request) a chunk of ``peer`` names: "" if they fit how
+        this request is written, else the problem. Share writers must name theirs: ascending,
+        within the request, none written before by any writer; the others name none."""
+        if not self.shares:
+            return "" if positions is None else (
+                f"prefill {peer} wrote a share of the request's pages, and decode reads the whole "
+                "request from it")
+        if positions is None:
+            return (f"prefill {peer} wrote a chunk without naming its pages, and decode reads a "
+                    f"share of them from each of {len(self.peers)} prefill nodes")
+        if self._written is None:
+            return f"prefill {peer} wrote a share of the pages before decode named them"
+        pages = np.asarray(positions, dtype=np.int64)
+        if pages.size == 0:
+            return ""
+        if (pages[1:] <= pages[:-1]).any():
+            return f"prefill {peer} named its pages out of order or twice"
+        if pages[0] < 0 or pages[-1] >= self._written.size:
+            return (f"prefill {peer} wrote page {int(pages[-1] if pages[0] >= 0 else pages[0])} "
+                    f"of a request of {self._written.size} pages")
+        again = pages[self._written[pages]]
+        if again.size:
+            return f"page {int(again[0])} of the request was written by two prefill nodes"
+        self._written[pages] = True
+        self.share_pages[peer] += int(pages.size)
+        return ""
+
+    def pages_of(self, peer: str, num_pages: int) -> int:
+        """The pages ``peer`` writes of a request of ``num_pages``: its share, or all of them."""
+        return self.share_pages[peer] if self.shares else num_pages
+
+    def unwritten(self) -> str:
+        """Once every part finished: "" if every page was written, else the problem."""
+        if self._written is None or self._written.all():
+            return ""
+        missing = np.flatnonzero(~self._written)
+        return (f"{missing.size} of the request's {self._written.size} pages were written by no "
+                f"prefill node (the first: page {int(missing[0])})")
 
     def verify(self, peer: str, count: int) -> None:
         self.verified[peer] += count

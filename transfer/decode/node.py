@@ -132,19 +132,23 @@ class DecodeNode:
     # ---- application API -------------------------------------------------------------------
 
     def receiver(self, room: int, prefill: str | list[str] | None = None, *,
-                 reserve: bool = False) -> KVReceiver:
+                 reserve: bool = False, shares: bool = False) -> KVReceiver:
         """A request fed by ``prefill``: one endpoint, or the endpoints of pipeline stages that
         together hold each of this pool's layers exactly once (ValueError naming the layer
         otherwise). Default: the first prefill node that holds every layer, else all of them.
+        ``shares``: the ``prefill`` nodes each hold every layer and write a share of the
+        request's pages, which only they know (sglang's KV sharding, prefill CP's page split):
+        each of their chunks names its pages, and the request succeeds once every page was
+        written by exactly one of them.
         ``reserve`` (deferred allocation): tell them now (``Reserve``) that this node will
         allocate the request's pages once its prefill has run (``KVReceiver.prefill_ready``)."""
-        peers = self._stages.peers_for(prefill)
+        peers = self._stages.peers_for(prefill, shares=shares)
         if reserve and not 0 <= room <= protocol.MAX_ROOM:
             raise ValueError(f"room {room} is not in 0..2**63-1")
         with self._lock:
             if room in self._receivers:
                 raise ValueError(f"room {room} already has a receiver")
-            receiver = KVReceiver(room, peers, self._context, reserve=reserve)
+            receiver = KVReceiver(room, peers, self._context, reserve=reserve, shares=shares)
             self._receivers[room] = receiver
             for peer in peers if reserve else []:
                 if peer.alive:  # a dead one fails the request at the next tick

@@ -1,8 +1,9 @@
 """One request on the decode side (``KVReceiver``, SGLang's BaseKVReceiver semantics): it asks its
 prefill node(s) for the request, counts what they report, and settles itself.
 
-A request is fed by one prefill node or by pipeline stages that each hold a part of the layers
-(``stages``). Its path, in order:
+A request is fed by one prefill node, by pipeline stages that each hold a part of the layers
+(``stages``), or by share writers that each write a share of its pages, every layer of each
+(``shares``: each chunk names its pages, ``fence.RequestParts.positions``). Its path, in order:
 
 0. Deferred allocation only (a receiver made with ``reserve``): the node has sent each of its
    prefill nodes a ``Reserve``; each answers ``PrefillReady`` once the request's prefill has run
@@ -16,8 +17,8 @@ A request is fed by one prefill node or by pipeline stages that each hold a part
 3. With checksums on, the node hands each counted chunk to the verifier, whose outcome comes back
    to ``chunk_verified`` (verifier thread): a mismatch, or a last chunk whose pages were not all
    verified, fails the request; otherwise the last chunk goes on to
-4. ``part_done_locked``: the prefill's part must be complete and reported once; once every part is,
-   the request turns Success.
+4. ``part_done_locked``: the prefill's part must be complete and reported once; once every part is
+   (share writers: and every page written by exactly one), the request turns Success.
 
 A failure asks every prefill that may still write to stop (``Abort``) and holds the pages until
 ``fence.RequestFence`` lets them go (``_settle_locked``): a prefill's final word, proof that
@@ -67,19 +68,19 @@ class ReceiverContext:
 
 
 class KVReceiver(RequestHandle):
-    """One request, fed by one prefill node or by several that each hold a part of the layers
-    (pipeline stages). Success once every one of them has written all of its part, exactly
-    once."""
+    """One request, fed by one prefill node, by several that each hold a part of the layers
+    (pipeline stages), or by several that each write a share of the pages (``shares``).
+    Success once every one of them has written all of its part, exactly once."""
 
     def __init__(self, room: int, peers: list[PrefillPeer], context: ReceiverContext, *,
-                 reserve: bool = False):
+                 reserve: bool = False, shares: bool = False):
         super().__init__(room, context.request_timeout_s)
         self.peers = peers
         self.reserved = reserve  # waits for its prefill nodes' ``PrefillReady``
         self._ready_from: set[str] = set()  # the prefill nodes that sent it
         self._prefill_ready = not reserve
         self._context = context
-        self.parts = RequestParts(p.endpoint for p in peers)
+        self.parts = RequestParts((p.endpoint for p in peers), shares=shares)
         self.fence = RequestFence(p.endpoint for p in peers)
         self.page_ids: np.ndarray | None = None
         self.aux_index: int | None = None
@@ -138,6 +139,7 @@ class KVReceiver(RequestHandle):
         with context.lock:
             now = time.monotonic()
             self.page_ids = pages
+            self.parts.start(pages.size)
             self.started_at = now
             if self.state.status in TERMINAL:  # aborted before init: ask no prefill node
                 return
@@ -196,6 +198,12 @@ class KVReceiver(RequestHandle):
         if self.state.status in TERMINAL:
             self._settle_locked(now)
             return False
+        problem = self.parts.positions(peer.endpoint, done.positions)
+        if not problem and done.slices and self.parts.shares:
+            problem = f"prefill {peer.endpoint} staged a chunk of its share of the pages"
+        if problem:  # later chunks may still be written: held until every prefill confirms
+            self._fail_sent_locked(problem, now)
+            return False
         self.chunks += 1
         self.nbytes += done.nbytes
         self.descriptors += done.descriptors
@@ -219,7 +227,8 @@ class KVReceiver(RequestHandle):
             self.parts.verify(peer.endpoint, verified)
             if not problem and done.last:
                 try:
-                    checksum.check_coverage(self.parts.verified[peer.endpoint], self.page_ids.size,
+                    checksum.check_coverage(self.parts.verified[peer.endpoint],
+                                            self.parts.pages_of(peer.endpoint, self.page_ids.size),
                                             len(peer.keys))
                 except checksum.ChecksumError as exc:
                     problem = str(exc)
@@ -231,13 +240,21 @@ class KVReceiver(RequestHandle):
     def part_done_locked(self, peer: PrefillPeer, now: float) -> None:
         """``peer``'s last chunk: its part must be complete, and reported only once."""
         aux_bytes = sum(b.item_len for b in self._context.aux_buffers) if peer is self._aux_peer() else 0
-        problem = self.parts.part_done(
-            peer.endpoint, self.page_ids.size * peer.page_bytes + aux_bytes,
-            f"{len(peer.keys)} buffers x {self.page_ids.size} pages")
+        pages = self.parts.pages_of(peer.endpoint, self.page_ids.size)
+        problem = self.parts.part_done(peer.endpoint, pages * peer.page_bytes + aux_bytes,
+                                       f"{len(peer.keys)} buffers x {pages} pages")
+        if not problem and self.parts.complete:
+            problem = self.parts.unwritten()
         if problem:
             self._fail_sent_locked(problem, now)
         elif self.parts.complete and self.state.advance(KVPoll.Success, now):
             self._context.counters.request_ok(self.state.finished_at - self.started_at)
+
+    def chunk_pages(self, done: protocol.ChunkDone) -> np.ndarray:
+        """Decode's page ids a chunk's checksums index: the request's, or a share chunk's own."""
+        if done.positions is None:
+            return self.page_ids
+        return self.page_ids[np.asarray(done.positions, dtype=np.int64)]
 
     # ---- its prefill nodes' liveness, and the tick (control thread) -------------------------
 
@@ -316,7 +333,8 @@ class KVReceiver(RequestHandle):
             self.state.allow_release(at)
 
     def _aux_peer(self) -> PrefillPeer | None:
-        """The prefill that writes the aux slot: the one holding the last layer."""
+        """The prefill that writes the aux slot: the one holding the last layer (the first of
+        share writers, which all hold every layer)."""
         if self.aux_index is None:
             return None
         return max(self.peers, key=lambda p: max(p.layout.layer_ids))

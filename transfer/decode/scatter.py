@@ -87,6 +87,9 @@ class SliceScatter:
             self._queue_locked((peer, None, written))  # nothing to scatter: the slice to free
             return
         pages = receiver.page_ids.size if receiver.page_ids is not None else 0
+        if receiver.parts.shares:  # a share's pages are named by its chunk, never staged
+            raise protocol.ProtocolError(f"room {written.room}: a staged slice from prefill "
+                                         f"{peer.endpoint}, which writes a share of the pages")
         if (peer not in receiver.peers or written.pages < 1 or written.offset < 0
                 or written.offset + written.pages > pages
                 or written.pages * peer.page_bytes > area.slice_bytes):

@@ -1,7 +1,8 @@
 """Which prefill nodes feed a decode request, pure: chosen by endpoint, checked once per choice.
 
 A request is fed by one prefill node, or by the pipeline stages that together hold each of
-decode's layers exactly once (``handshake.check_stages``: ValueError naming the layer otherwise).
+decode's layers exactly once (``handshake.check_stages``: ValueError naming the layer otherwise),
+or by share writers that each hold every layer (``handshake.check_shares``).
 Without a choice it is the first prefill node that holds every layer, else all of them. The peers
 and their layouts are fixed for the node's life (a prefill that comes back with another layout is
 refused), so each choice is checked once and remembered. A layer of decode's that none of them
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...plugin.layout import DSALayout
-from ..handshake import HandshakeError, check_stages
+from ..handshake import HandshakeError, check_shares, check_stages
 from .sessions import PrefillPeer
 
 Choice = str | Sequence[str] | None
@@ -30,19 +31,20 @@ class StageChoice:
                                  f"nodes ({', '.join(p.endpoint for p in peers)})")
         self.layout = layout
         self.peers = peers
-        self._checked: dict[str | tuple[str, ...] | None, list[PrefillPeer]] = {}
+        self._checked: dict[tuple, list[PrefillPeer]] = {}
 
-    def peers_for(self, prefill: Choice) -> list[PrefillPeer]:
-        key = prefill if prefill is None or isinstance(prefill, str) else tuple(prefill)
+    def peers_for(self, prefill: Choice, *, shares: bool = False) -> list[PrefillPeer]:
+        """The peers named (stages; with ``shares``, share writers), checked once."""
+        key = (prefill if prefill is None or isinstance(prefill, str) else tuple(prefill), shares)
         try:
             peers = self._checked.get(key)
         except TypeError:  # an unhashable name: refused by the check, naming what was given
-            return self._check(prefill)
+            return self._check(prefill, shares)
         if peers is None:
-            peers = self._checked[key] = self._check(prefill)
+            peers = self._checked[key] = self._check(prefill, shares)
         return list(peers)
 
-    def _check(self, prefill: Choice) -> list[PrefillPeer]:
+    def _check(self, prefill: Choice, shares: bool) -> list[PrefillPeer]:
         if prefill is None:
             whole = [p for p in self.peers if set(self.layout.layer_ids) <= set(p.layout.layer_ids)]
             peers = whole[:1] or list(self.peers)
@@ -52,7 +54,11 @@ class StageChoice:
             peers = [self._peer(endpoint) for endpoint in prefill]
             if len({p.endpoint for p in peers}) != len(peers):
                 raise ValueError(f"a prefill node is named twice: {list(prefill)}")
-        check_stages(self.layout, [(p.endpoint, p.layout) for p in peers])
+        named = [(p.endpoint, p.layout) for p in peers]
+        if shares:
+            check_shares(self.layout, named)
+        else:
+            check_stages(self.layout, named)
         return peers
 
     def _peer(self, endpoint: str) -> PrefillPeer:

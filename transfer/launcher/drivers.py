@@ -38,9 +38,11 @@ def page_views(pool, keys=None) -> list[tuple[int, str, torch.Tensor]]:
             for layer, kind in (pool.buffer_keys() if keys is None else keys)]
 
 
-def fill_request(pool, room: int, pages: np.ndarray) -> None:
-    index = torch.from_numpy(pages)
-    order = np.arange(pages.size)
+def fill_request(pool, room: int, pages: np.ndarray, positions: np.ndarray | None = None) -> None:
+    """Write the request's pattern into ``pages``: the request's pages in order, or (a share
+    of them) its pages ``positions``."""
+    index = torch.from_numpy(np.asarray(pages, dtype=np.int64))
+    order = np.arange(index.numel()) if positions is None else np.asarray(positions, dtype=np.int64)
     for layer, kind, view in page_views(pool):
         view.index_copy_(0, index, expected_pages(room, layer, kind, order, view.shape[1]))
 

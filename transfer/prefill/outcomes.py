@@ -32,12 +32,17 @@ from collections.abc import Callable, Mapping
 from .. import protocol
 from ..counters import Counters
 from ..request import KVPoll
-from .records import DecodeDestination, DecodePeer, Destinations, KVSender, Reservation
+from .records import Chunk, DecodeDestination, DecodePeer, Destinations, KVSender, Reservation
 from .writer import Result
 
 log = logging.getLogger(__name__)
 
 Send = Callable[[protocol.Message, bytes], None]  # a message to the decode node of this identity
+
+
+def _positions(chunk: Chunk) -> list[int] | None:
+    """The request's pages a share writer's chunk wrote (None: a whole chunk)."""
+    return None if chunk.positions is None else chunk.positions.tolist()
 
 
 class ChunkReporter:
@@ -124,7 +129,7 @@ class ChunkReporter:
         self._send(protocol.ChunkDone(
             sender.room, destination.chunks_written - 1, ok=True, last=last, nbytes=plan.nbytes,
             descriptors=plan.descriptors, write_seconds=result.seconds, checksums=result.sums,
-            slices=result.slices), destination.peer.identity)
+            slices=result.slices, positions=_positions(result.job.chunk)), destination.peer.identity)
         destination.finished = last
         destinations = self._destinations.get(sender.room)
         everywhere = destinations is not None and all(d.finished for d in destinations.members)

@@ -111,11 +111,13 @@ class IncomingRequest:
 @dataclass(frozen=True, eq=False)
 class Chunk:
     """Prefill page ids of a request: ``offset`` of the first among the request's pages; ``last``:
-    the chunk that completes them."""
+    the chunk that completes them. A share writer's chunk (``positions``) names the request's
+    pages it holds instead, ascending (``offset`` 0: its checksums index them)."""
 
     offset: int
     pages: np.ndarray
     last: bool
+    positions: np.ndarray | None = None
 
 
 class SenderBook(Protocol):
@@ -124,6 +126,9 @@ class SenderBook(Protocol):
     def init_sender(self, sender: KVSender, num_pages: int, aux_index: int | None) -> None: ...
 
     def send_chunk(self, sender: KVSender, page_ids: object) -> None: ...
+
+    def send_share(self, sender: KVSender, page_ids: object, positions: object,
+                   through: int) -> None: ...
 
     def abort(self, sender: KVSender, reason: str) -> None: ...
 
@@ -141,7 +146,8 @@ class KVSender(RequestHandle):
             self.state.deadline = math.inf
         self.completed = False  # ``prefill_complete`` was called
         self.num_pages: int | None = None
-        self.pages_sent = 0
+        self.pages_sent = 0  # of a share writer: the request's pages its chunks went through
+        self.shares: bool | None = None  # writes a share of the pages (``send_share``); None: no chunk yet
         self.chunks_sent = 0
         self.pending: list[Chunk] = []  # chunks waiting for decode's pages
         self.busy = 0  # chunks queued for or inside the writer
@@ -157,6 +163,15 @@ class KVSender(RequestHandle):
         """Queue a chunk of this request's prefill page ids; the chunk that completes
         ``num_pages`` is the last one."""
         self._book.send_chunk(self, page_ids)
+
+    def send_share(self, page_ids, positions, through: int) -> None:
+        """Queue a chunk of this writer's share of the request's pages (one of several prefill
+        nodes that each hold every layer and write a share of the pages: sglang's KV sharding,
+        prefill CP's page split): ``page_ids`` are its prefill page ids for the request's pages
+        ``positions`` (ascending), and the request's pages ``[0, through)`` are now sent by
+        every writer. The chunk whose ``through`` reaches ``num_pages`` is the last, sent even
+        without a page of this writer's; an empty chunk before it sends nothing."""
+        self._book.send_share(self, page_ids, positions, through)
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         self._book.abort(self, reason)

@@ -84,6 +84,26 @@ def _announcement_problem(request: protocol.RequestPages) -> str | None:
     return None
 
 
+def _share_problem(sender: KVSender, pages: np.ndarray, positions: np.ndarray,
+                   through: object) -> str | None:
+    """Why a chunk of a share (``KVSender.send_share``) does not continue ``sender``'s; None
+    when it does."""
+    if sender.shares is False:
+        return "a share of the pages after a whole chunk"
+    if isinstance(through, bool) or not isinstance(through, (int, np.integer)):
+        return f"share chunk: through must be an int, got {through!r}"
+    if not sender.pages_sent < through <= sender.num_pages:
+        return (f"share chunk through page {through} after {sender.pages_sent} does not fit the "
+                f"request's {sender.num_pages} pages")
+    if pages.size != positions.size:
+        return f"share chunk of {pages.size} pages at {positions.size} positions"
+    if positions.size and (positions[0] < sender.pages_sent or positions[-1] >= through
+                           or (positions[1:] <= positions[:-1]).any()):
+        return (f"share chunk positions must ascend within [{sender.pages_sent}, {through}), got "
+                f"{positions[:8].tolist()}{'...' if positions.size > 8 else ''}")
+    return None
+
+
 def _mismatch(destinations: Destinations, request: protocol.RequestPages) -> str | None:
     """Why another decode node's announcement of a request does not match the first one's."""
     if request.nothing_to_send or destinations.nothing_to_send:
@@ -160,6 +180,10 @@ class RequestBook:
                 return
             if sender.num_pages is None:
                 raise ValueError(f"room {sender.room}: send before init")
+            if sender.shares:
+                self._reporter.fail_locked(sender, "a whole chunk after a share of the pages")
+                return
+            sender.shares = False
             if pages.size == 0 or sender.pages_sent + pages.size > sender.num_pages:
                 self._reporter.fail_locked(
                     sender, f"chunk of {pages.size} pages after {sender.pages_sent} does not fit "
@@ -169,6 +193,28 @@ class RequestBook:
             sender.pages_sent += pages.size
             sender.pending.append(Chunk(offset, pages, sender.pages_sent == sender.num_pages))
             self._dispatch_locked(sender)
+
+    def send_share(self, sender: KVSender, page_ids: object, positions: object,
+                   through: int) -> None:
+        """A chunk of ``sender``'s share of the pages (``KVSender.send_share``); one that does not
+        continue its share fails the request, naming why."""
+        pages = as_page_ids(page_ids, "page_ids")
+        at = as_page_ids(positions, "positions")
+        with self._lock:
+            if sender.state.status in TERMINAL:
+                return
+            if sender.num_pages is None:
+                raise ValueError(f"room {sender.room}: send before init")
+            problem = _share_problem(sender, pages, at, through)
+            if problem:
+                self._reporter.fail_locked(sender, problem)
+                return
+            sender.shares = True
+            sender.pages_sent = through
+            last = through == sender.num_pages
+            if pages.size or last:
+                sender.pending.append(Chunk(0, pages, last, at))
+                self._dispatch_locked(sender)
 
     def abort(self, sender: KVSender, reason: str) -> None:
         with self._lock:

@@ -68,6 +68,8 @@ class Job:
     @property
     def dst_pages(self) -> np.ndarray:
         """Decode's page ids for the chunk's pages."""
+        if self.chunk.positions is not None:
+            return self.destination.dst_pages[self.chunk.positions]
         offset = self.chunk.offset
         return self.destination.dst_pages[offset:offset + self.chunk.pages.size]
 
@@ -157,7 +159,8 @@ def _planned(job: Job, routes: Routes) -> _Planned:
         plan = plan_chunk(peer.pairs, chunk.pages, job.dst_pages, last=chunk.last,
                           aux_pairs=peer.aux_pairs, aux_src=job.sender.aux_index,
                           aux_dst=job.destination.aux_index)
-        return _Planned(job, plan, route=routes.route_for(peer, plan))
+        shared = chunk.positions is not None  # a share's pages are named by its chunk: direct
+        return _Planned(job, plan, route=DIRECT if shared else routes.route_for(peer, plan))
     except PlanError as exc:
         return _Planned(job, None, f"bad pages: {exc}")
     except Exception as exc:  # a bug must fail the request, not the caller
@@ -268,8 +271,8 @@ class Writer:
                 self._write_staged(job, entry.plan)
                 continue
             try:
-                sums = self._checksums.of_chunk(job.destination.peer.pairs, job.chunk.pages,
-                                                job.chunk.offset)
+                sums = None if job.chunk.pages.size == 0 else self._checksums.of_chunk(
+                    job.destination.peer.pairs, job.chunk.pages, job.chunk.offset)
             except checksum.ChecksumError as exc:
                 self._report(Result(job, ok=False, reason=str(exc)))
                 continue
@@ -288,11 +291,12 @@ class Writer:
             return
         plans = [plan for _, plan, _ in planned]
         src, dst, length = join_plans(plans)
-        with self._lock:
-            self.batches += 1
         try:
             started = time.perf_counter()
-            self.backend.write(peer, src, dst, length, timeout_s=self.timeout_s)
+            if src.size:  # (a share writer's empty last chunk writes nothing)
+                with self._lock:
+                    self.batches += 1
+                self.backend.write(peer, src, dst, length, timeout_s=self.timeout_s)
             seconds = time.perf_counter() - started
         except BackendError as exc:
             failed = (f"engine write failed: {exc}", True)

@@ -8,6 +8,8 @@ prefill that could not be reached.
 - ``cp_problems``: the attention context parallelism (CP) a rank refuses at start-up, by name;
   ``dummy_cp_rank``: whether a prefill CP rank writes nothing (sglang's ``is_dummy_cp_rank``);
   ``target_cp_ranks``: which prefill CP ranks a decode rank reads from;
+- ``PageShare``: the share of each request's pages a prefill rank writes when the pages are
+  split among ranks (sglang's KV sharding, prefill CP's page split), and ``cp_page_bounds``;
 - ``pairing_problems``: why a decode rank cannot pair with a prefill, each reason naming the flag
   to change (empty when it can);
 - ``tp_targets``: which prefill attention-TP ranks a decode rank reads from and tells it has
@@ -24,12 +26,12 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
+import numpy as np
 from sglang.srt.disaggregation.common.conn import PrefillServerInfo
 from sglang.srt.utils.network import NetworkAddress
 
-from .mixed import marked_policy
+from .mixed import CP_PAGE_SPLIT_MARK, bridge_layout, marked_policy
 
-KV_LAYOUT_MARK = "dsa-bridge"  # the kv_layout a dsa-bridge prefill registers: decode requires it
 BACKENDS = {"mooncake": ("sglang.srt.disaggregation.mooncake", "Mooncake"),
             "nixl": ("sglang.srt.disaggregation.nixl", "Nixl")}
 BACKOFF_FIRST_S = 1.0  # after a prefill's first failed connection; doubling per failure...
@@ -61,36 +63,30 @@ def bootstrap_host(serving_host: str, dist_init_addr: str | None) -> str:
 
 
 ALL_CP_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
-KV_SHARDING_PROBLEM = ("--enable-kv-cache-sharding: each rank holds a share of the pages, and "
-                       "dsa-bridge moves a cache every rank holds whole")
 
 
-def cp_problems(*, prefill: bool, attn_cp_size: int, all_cp_ranks: bool = False,
-                layer_split: bool = False, kv_sharding: bool = False,
+def cp_problems(*, prefill: bool, attn_cp_size: int, kv_sharding: bool = False,
                 cp_tp_group_sharing: bool = False) -> list[str]:
     """Why a rank refuses to start, by its context parallelism (attention CP), each reason naming
     the flag or variable to change; empty when it is served. Served on prefill, any
     ``--attn-cp-size``: sglang's default for DSA pools, every CP rank holding the whole KV and
     indexer (prefill CP all-gathers before writing the pool), CP rank 0 writing every request and
-    the others ending it writing nothing (``dummy_cp_rank``); and ``layer_split``
-    (``--enable-dsa-cache-layer-split``), each CP rank holding and writing its own layers, as
-    pipeline stages do. Refused: a split of each request's pages over the CP ranks
-    (``all_cp_ranks``: sglang's ``ALL_CP_RANKS_ENV``, without layer split), ``kv_sharding``,
-    CP-TP group sharing, and CP on decode (sglang's own decode asserts CP 1)."""
+    the others ending it writing nothing (``dummy_cp_rank``); ``--enable-dsa-cache-layer-split``,
+    each CP rank holding and writing its own layers, as pipeline stages do; and the page splits
+    (``PageShare``: ``ALL_CP_RANKS_ENV``, KV sharding), each CP rank writing its share of every
+    layer. Refused: CP-TP group sharing, CP on decode (sglang's own decode asserts CP 1) and KV
+    sharding on decode (sglang serves it on prefill only)."""
     problems = []
-    if kv_sharding:
-        problems.append(KV_SHARDING_PROBLEM + " (remove it)")
     if not prefill:
+        if kv_sharding:
+            problems.append("--enable-kv-cache-sharding on decode: sglang serves it on prefill "
+                            "only (remove it from the decode)")
         if attn_cp_size > 1:
             problems.append(f"--attn-cp-size {attn_cp_size} on decode: sglang serves attention "
                             "context parallelism on prefill only (give decode --attn-cp-size 1)")
         return problems
     if attn_cp_size == 1:
         return problems
-    if all_cp_ranks and not layer_split:  # (sglang ignores it under layer split)
-        problems.append(f"{ALL_CP_RANKS_ENV}=1: each prefill CP rank would write its share of a "
-                        "request's pages, and dsa-bridge's CP rank 0 writes the whole request (every "
-                        f"CP rank holds the same KV; unset {ALL_CP_RANKS_ENV})")
     if cp_tp_group_sharing:
         problems.append("CP-TP group sharing (sglang's enable_cp_tp_group_sharing, derived from the "
                         "model under --enable-prefill-cp): each CP rank holds a share of the state, "
@@ -98,19 +94,67 @@ def cp_problems(*, prefill: bool, attn_cp_size: int, all_cp_ranks: bool = False,
     return problems
 
 
-def dummy_cp_rank(attn_cp_size: int, attn_cp_rank: int, layer_split: bool = False) -> bool:
+def dummy_cp_rank(attn_cp_size: int, attn_cp_rank: int, layer_split: bool = False,
+                  split_pages: bool = False) -> bool:
     """Whether a prefill rank writes nothing of any request, as sglang's ``is_dummy_cp_rank`` in
-    sglang's default CP mode (``cp_problems``): every CP rank but 0 (with layer split, none).
-    Its senders reach WaitingForInput at once and Success with the request's last chunk; decode
-    never reads from it."""
-    return attn_cp_size > 1 and attn_cp_rank != 0 and not layer_split
+    sglang's default CP mode (``cp_problems``): every CP rank but 0 (with layer split or a page
+    split, none). Its senders reach WaitingForInput at once and Success with the request's last
+    chunk; decode never reads from it."""
+    return attn_cp_size > 1 and attn_cp_rank != 0 and not (layer_split or split_pages)
 
 
-def target_cp_ranks(prefill_cp_size: int, layer_split: bool) -> tuple[int, ...]:
+def target_cp_ranks(prefill_cp_size: int, layer_split: bool,
+                    split_pages: bool = False) -> tuple[int, ...]:
     """The prefill CP ranks a decode rank reads from, as sglang's ``_resolve_rank_mapping``: CP
     rank 0 (the others are dummy senders), or with layer split every CP rank (each writes its
-    own layers, as a pipeline stage)."""
-    return tuple(range(prefill_cp_size)) if layer_split else (0,)
+    own layers, as a pipeline stage), or with the request's pages split among them
+    (``split_pages``) every CP rank (each writes its share of every layer)."""
+    return tuple(range(prefill_cp_size)) if layer_split or split_pages else (0,)
+
+
+def cp_page_bounds(num_pages: int, rank: int, size: int) -> tuple[int, int]:
+    """The request's pages ``[start, end)`` prefill CP rank ``rank`` of ``size`` writes in
+    sglang's CP page split: contiguous shares, the first ``num_pages % size`` one page longer."""
+    base, longer = divmod(num_pages, size)
+    start = rank * base + min(rank, longer)
+    return start, start + base + (1 if rank < longer else 0)
+
+
+@dataclass(frozen=True)
+class PageShare:
+    """The share of each request's pages prefill rank ``rank`` of ``size`` writes (every layer of
+    each). ``interleaved``: sglang's KV sharding, where logical page ``l`` lives on rank
+    ``l % size`` as its local page ``l // size`` (sglang's page-interleave placement); else
+    prefill CP's page split (``ALL_CP_RANKS_ENV``), where every rank holds every page and writes
+    a contiguous share (``cp_page_bounds``)."""
+
+    rank: int
+    size: int
+    interleaved: bool
+
+    def of_chunk(self, pages: np.ndarray, start: int,
+                 num_pages: int) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's (page ids in its pool, positions in the request) of a chunk whose
+        ``pages`` are the request's pages from ``start`` on, of ``num_pages`` in all."""
+        positions = np.arange(start, start + pages.size, dtype=np.int64)
+        if self.interleaved:
+            owned = pages % self.size == self.rank
+            return pages[owned] // self.size, positions[owned]
+        low, high = cp_page_bounds(num_pages, self.rank, self.size)
+        owned = (positions >= low) & (positions < high)
+        return pages[owned], positions[owned]
+
+
+def page_share(*, attn_cp_size: int, attn_cp_rank: int, layer_split: bool, all_cp_ranks: bool,
+               shard: tuple[int, int] | None) -> PageShare | None:
+    """The share a prefill rank writes of each request's pages, as sglang's senders choose it:
+    its KV shard (``shard``: (rank, size) in sglang's KV shard group, size above 1), else with
+    ``ALL_CP_RANKS_ENV`` and CP but no layer split its CP range; None: every page it writes."""
+    if shard is not None and shard[1] > 1:
+        return PageShare(*shard, interleaved=True)
+    if all_cp_ranks and attn_cp_size > 1 and not layer_split:
+        return PageShare(attn_cp_rank, attn_cp_size, interleaved=False)
+    return None
 
 
 def pairing_problems(info: PrefillServerInfo, *, page_size: int, kv_cache_dtype: str | None,
@@ -118,7 +162,7 @@ def pairing_problems(info: PrefillServerInfo, *, page_size: int, kv_cache_dtype:
     """Why this decode rank cannot pair with the prefill whose parallel info is ``info``, each
     reason naming the flag to change; empty when it can."""
     problems = []
-    if info.kv_layout != KV_LAYOUT_MARK:
+    if not bridge_layout(info.kv_layout):
         problems.append(f"the prefill registered kv_layout {info.kv_layout!r}, not dsa-bridge's: it "
                         "does not run dsa-bridge's transfer (set SGLANG_PLUGINS=dsa_bridge on the "
                         "prefill too)")
@@ -133,10 +177,14 @@ def pairing_problems(info: PrefillServerInfo, *, page_size: int, kv_cache_dtype:
         problems.append(f"attention-TP widths: prefill {info.attn_tp_size}, decode {attn_tp_size}, "
                         "neither a multiple of the other (give the servers --tp-size / "
                         "(--attn-dp-size x --attn-cp-size) that divide each other)")
-    if info.enable_kv_cache_sharding:
-        problems.append(KV_SHARDING_PROBLEM + " (remove it from the prefill)")
+    sharded_tp = info.enable_kv_cache_sharding and info.attn_cp_size == 1
+    if sharded_tp and info.attn_tp_size != attn_tp_size:
+        problems.append(f"--enable-kv-cache-sharding on the prefill needs equal attention-TP "
+                        f"widths (sglang's own decode asserts it): prefill {info.attn_tp_size}, "
+                        f"decode {attn_tp_size} (give the servers equal --tp-size / --attn-dp-size, "
+                        "or remove it)")
     theirs = marked_policy(info.decode_allocation_policy) or "early"  # (unmarked: the default)
-    if info.kv_layout == KV_LAYOUT_MARK and theirs != policy:
+    if bridge_layout(info.kv_layout) and theirs != policy:
         problems.append(f"decode allocation policy: prefill {theirs}, decode {policy} (set "
                         "--disaggregation-decode-allocation-policy identically on both servers)")
     if pp_size > 1 and info.pp_size != pp_size:
@@ -160,12 +208,14 @@ class TPTargets:
 @dataclass(frozen=True)
 class PrefillGroup:
     """A decode rank's prefill DP group, by control endpoint: ``write``, the ranks that write
-    its requests (one per pipeline stage); ``idle``, those told they have nothing to send (every
-    stage of each); ``copies`` as in ``TPTargets``."""
+    its requests (one per pipeline stage; with ``shares``, each a share of the pages); ``idle``,
+    those told they have nothing to send (every stage of each); ``copies`` as in
+    ``TPTargets``."""
 
     write: tuple[str, ...]
     idle: tuple[str, ...] = ()
     copies: int = 1
+    shares: bool = False
 
     @property
     def endpoints(self) -> list[str]:
@@ -181,6 +231,19 @@ def tp_targets(decode_tp_rank: int, decode_tp_size: int, prefill_tp_size: int) -
     group = prefill_tp_size // decode_tp_size
     first = decode_tp_rank * group
     return TPTargets(first, tuple(range(first + 1, first + group)))
+
+
+def page_split(info: PrefillServerInfo) -> str:
+    """Over which ranks the prefill whose parallel info is ``info`` splits each request's pages:
+    "tp" (KV sharding without CP: every attention-TP rank writes its share, widths equal), "cp"
+    (its CP ranks: KV sharding with CP, or ``ALL_CP_RANKS_ENV`` on the prefill, which its
+    ``kv_layout`` says: ``mixed.layout_mark``), or "" (no split). sglang's own decode reads its
+    own ``ALL_CP_RANKS_ENV`` instead, so a decode without it would read CP rank 0 alone."""
+    if info.attn_cp_size == 1:
+        return "tp" if info.enable_kv_cache_sharding else ""
+    if info.enable_dsa_cache_layer_split:
+        return ""
+    return "cp" if info.enable_kv_cache_sharding or info.kv_layout == CP_PAGE_SPLIT_MARK else ""
 
 
 def target_stages(decode_pp_rank: int, decode_pp_size: int, prefill_pp_size: int) -> tuple[int, ...]:

@@ -28,8 +28,10 @@ abort holds its pages in the fence until no write can land), raising ``is_from_a
 Senders and receivers built over a sglang manager (the non-DSA fallback) are sglang's own.
 Limits (refused with a message naming the flag to change, see docs/sglang.md): attention-TP
 widths that divide each other, attention CP on prefill only (CP rank 0 writes and the other CP
-ranks are dummy senders, or with layer split each writes its layers; no page split over the CP
-ranks: ``bringup.cp_problems``), no KV sharding, decode pipeline stages 1 or the prefill's
+ranks are dummy senders, or with layer split each writes its layers, or with a page split each
+its share of the pages: ``bringup.cp_problems``), KV sharding on prefill (each rank of the shard
+group its shard of the pages: ``bringup.PageShare``; without CP at equal attention-TP widths),
+decode pipeline stages 1 or the prefill's
 (prefill DP ranks are registered for decode's query where it cannot compute them:
 ``dp_route``), device destinations only, decode radix-cache prefixes of whole pages (as sglang's
 radix cache makes them).

@@ -27,6 +27,7 @@ from ...transfer.handshake import HandshakeError
 from .bringup import (
     PeerBackoff,
     PrefillGroup,
+    page_split,
     pairing_problems,
     target_cp_ranks,
     target_stages,
@@ -238,19 +239,27 @@ class DecodeNodes:
     def _group(self, bootstrap_addr: str, dp_rank: int) -> PrefillGroup:
         """The ranks of DP group ``dp_rank`` this rank talks to, as sglang maps attention-TP
         ranks between two widths (``tp_targets``), attention-CP ranks (``target_cp_ranks``: CP
-        rank 0, or with layer split each CP rank, its layers written as a pipeline stage's) and
-        pipeline stages (``target_stages``)."""
+        rank 0, or with layer split each CP rank, its layers written as a pipeline stage's, or
+        with a page split each CP rank, its share of the pages) and pipeline stages
+        (``target_stages``). KV sharding over attention TP (``page_split`` "tp"): every
+        attention-TP rank writes its share of the pages to every decode attention-TP rank."""
         info = self.prefill_info_table[bootstrap_addr]
-        targets = tp_targets(self.attn_tp_rank, self.attn_tp_size, info.attn_tp_size)
-        cp_ranks = target_cp_ranks(info.attn_cp_size, bool(info.enable_dsa_cache_layer_split))
+        split = page_split(info)
+        cp_ranks = target_cp_ranks(info.attn_cp_size, bool(info.enable_dsa_cache_layer_split),
+                                   split == "cp")
         pp_ranks = target_stages(self.pp_rank, self.pp_size, info.pp_size)
 
         def stages(tp_rank: int) -> list[str]:
             return [self._rank_endpoint(bootstrap_addr, dp_rank, cp, tp_rank, pp)
                     for cp in cp_ranks for pp in pp_ranks]
 
+        if split == "tp":  # (equal widths: each prefill rank writes to every decode rank)
+            return PrefillGroup(tuple(e for tp in range(info.attn_tp_size) for e in stages(tp)),
+                                copies=self.attn_tp_size, shares=True)
+        targets = tp_targets(self.attn_tp_rank, self.attn_tp_size, info.attn_tp_size)
         return PrefillGroup(tuple(stages(targets.source)),
-                            tuple(e for tp in targets.idle for e in stages(tp)), targets.copies)
+                            tuple(e for tp in targets.idle for e in stages(tp)), targets.copies,
+                            shares=split == "cp")
 
     def _connect(self, bootstrap_addr: str, dp_rank: int) -> tuple[DecodeNode, PrefillGroup]:
         """Connect a node to the ranks of DP group ``dp_rank`` this rank talks to, over the

@@ -32,6 +32,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from ...transfer.request import TERMINAL
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,27 @@ class HeldChunks:
         return ready, None
 
 
+@dataclass(frozen=True)
+class ShareChunk:
+    """A chunk of a prefill rank's share of a request's pages (``KVSender.send_share``): its
+    page ids, their positions in the request, and how far the request's pages are sent."""
+
+    pages: np.ndarray
+    positions: np.ndarray
+    through: int
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+
+def hand_on(sender, chunk) -> None:
+    """Give the node's ``sender`` a chunk: a ``ShareChunk``, or page ids."""
+    if isinstance(chunk, ShareChunk):
+        sender.send_share(chunk.pages, chunk.positions, chunk.through)
+    else:
+        sender.send(chunk)
+
+
 def event_completed(event) -> bool:
     """Whether sglang's CUDA event (``torch.cuda.Event``) completed: its ``query()``."""
     return bool(event.query())
@@ -100,11 +123,12 @@ class EarlySendDispatcher:
         self._thread: threading.Thread | None = None
 
     def send(self, sender, pages, event=None) -> None:
-        """``sender`` (the node's ``KVSender``) gets ``pages`` now, or once they may be read."""
+        """``sender`` (the node's ``KVSender``) gets ``pages`` (page ids, or a ``ShareChunk``)
+        now, or once they may be read."""
         with self._lock:
             held = self._held.get(sender.room)
             if event is None and held is None:
-                sender.send(pages)
+                hand_on(sender, pages)
                 return
             if held is None:
                 held = self._held[sender.room] = (sender, HeldChunks())
@@ -136,7 +160,7 @@ class EarlySendDispatcher:
                 try:
                     ready, reason = chunks.release(time.monotonic(), self._completed)
                     for pages in ready:
-                        sender.send(pages)
+                        hand_on(sender, pages)
                 except (RuntimeError, ValueError) as exc:  # a CUDA error, or a chunk refused
                     ready, reason = [], f"an early-sent chunk could not be handed on: {exc}"
                 if reason is not None:

@@ -25,7 +25,10 @@ cache and registers its CP rank; CP rank 0 writes every request and the others a
 (``is_dummy_cp_rank``, sglang's name), which decode never connects to: it reads CP rank 0 of its
 ``tp_targets``. With ``--enable-dsa-cache-layer-split`` each CP rank holds its own layers (its
 KVArgs name them as a pipeline stage's: ``prefill_start_layer``) and writes them, and decode
-reads every CP rank as it reads stages (``target_cp_ranks``). The other CP modes are refused at
+reads every CP rank as it reads stages (``target_cp_ranks``). Where each request's pages are split
+among prefill ranks (sglang's KV sharding over its shard group, ``kv_shard``; the CP page split of
+``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER``) each rank writes its share (``page_share``) and
+decode reads those ranks as share writers (``page_split``). The other CP modes are refused at
 start-up (``cp_problems``) and, from the prefill's parallel info, by decode (``pairing_problems``).
 KVArgs that are not a DSA pool (``kvargs.dsa_problem``) get sglang's own manager of the
 configured backend instead (logged): sglang's ``get_kv_class`` does not know the model, its
@@ -91,12 +94,12 @@ from ...transfer.backends.environment import rdma_devices
 from ...transfer.plan import as_aux_buffers
 from ...transfer.prefill import PrefillNode
 from .bringup import (
-    KV_LAYOUT_MARK,
     backend_of,
     bootstrap_host,
     cp_problems,
     dummy_cp_rank,
     engine_options,
+    page_share,
     sglang_class,
 )
 from .decode_nodes import HTTP_TIMEOUT_S, STAGING_BYTES, DecodeNodes
@@ -104,7 +107,7 @@ from .deferred_release import DeferredRelease, log_release_bounds
 from .early_send import EarlySendDispatcher
 from .kvargs import bridge_buffers, dsa_problem
 from .memory_kinds import hisparse_problem, kind_of, pointer_info
-from .mixed import PrefillAborts, policy_mark
+from .mixed import PrefillAborts, layout_mark, policy_mark
 from .paged_buffers import PagedBuffers
 from .phases import PhaseLimits
 from .pool import stage_start_layer
@@ -158,17 +161,23 @@ class DSABridgeKVManager(BaseKVManager):
         self.attn_cp_size, self.attn_cp_rank = parallel.attn_cp_size, parallel.attn_cp_rank
         problems = cp_problems(
             prefill=prefill, attn_cp_size=self.attn_cp_size,
-            all_cp_ranks=bool(envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.get()),
-            layer_split=bool(parallel.enable_dsa_cache_layer_split),
             kv_sharding=bool(parallel.enable_kv_cache_sharding),
             cp_tp_group_sharing=bool(parallel.enable_cp_tp_group_sharing))
         if problems:
             raise ValueError("dsa-bridge's transfer does not serve " + "; ".join(problems)
                              + " (docs/sglang.md)")
+        layer_split = bool(parallel.enable_dsa_cache_layer_split)
+        # the share of each request's pages this prefill rank writes, when they are split
+        self.page_share = page_share(
+            attn_cp_size=self.attn_cp_size, attn_cp_rank=self.attn_cp_rank,
+            layer_split=layer_split,
+            all_cp_ranks=bool(envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.get()),
+            shard=kv_shard(is_mla_backend)) if prefill else None
         # sglang's default CP mode: a prefill CP rank other than 0 writes nothing, its senders end
-        # without decode (with layer split every CP rank writes its layers)
+        # without decode (with layer split every CP rank writes its layers, with a page split
+        # its share)
         self.is_dummy_cp_rank = prefill and dummy_cp_rank(
-            self.attn_cp_size, self.attn_cp_rank, bool(parallel.enable_dsa_cache_layer_split))
+            self.attn_cp_size, self.attn_cp_rank, layer_split, self.page_share is not None)
         start = (getattr(args, "prefill_start_layer", 0) or 0) if prefill else self._stage_start(args)
         problem = hisparse_problem(not prefill, bool(get_memory().enable_hisparse))
         if problem:
@@ -314,7 +323,8 @@ class DSABridgeKVManager(BaseKVManager):
             "pp_size": self.pp_size, "pp_rank": self.pp_rank,
             "system_dp_size": self.system_dp_size, "system_dp_rank": self.system_dp_rank,
             "rank_ip": host, "rank_port": int(port), "page_size": self.kv_args.page_size,
-            "kv_cache_dtype": self.kv_args.kv_cache_dtype_str, "kv_layout": KV_LAYOUT_MARK,
+            "kv_cache_dtype": self.kv_args.kv_cache_dtype_str,
+            "kv_layout": layout_mark(self.page_share is not None and not self.page_share.interleaved),
             "load_balance_method": get_parallel().load_balance_method,
             "prefill_http_port": get_serving().port,
             "decode_allocation_policy": policy_mark(self.allocation_policy),  # (mixed.py)
@@ -450,7 +460,7 @@ class DSABridgeKVManager(BaseKVManager):
         scheduler thread (``mixed.PrefillAborts``, made on first use)."""
         with self._lock:
             if self.prefill_aborts is None:
-                self.prefill_aborts = PrefillAborts(KV_LAYOUT_MARK)
+                self.prefill_aborts = PrefillAborts()
         self.prefill_aborts.notify(bootstrap_addr, room, reason)
 
     def teardown(self) -> None:
@@ -490,6 +500,18 @@ def put_route(url: str, payload: dict) -> None:
     if response.status_code != 200:
         raise RuntimeError(f"dsa-bridge: the bootstrap server at {url} refused this prefill rank: "
                            f"{response.status_code} {response.text}")
+
+
+def kv_shard(is_mla_backend: bool) -> tuple[int, int] | None:
+    """This rank's (rank, size) in sglang's KV shard group (``--enable-kv-cache-sharding``: its
+    attention-CP group, else for MLA pools its attention-TP group), as sglang's managers take
+    it; None without sharding."""
+    if not get_parallel().enable_kv_cache_sharding:
+        return None
+    from sglang.srt.mem_cache.page_interleave import get_kv_shard_group
+
+    group = get_kv_shard_group(is_mla_backend)
+    return group.rank_in_group, group.world_size
 
 
 def _cuda() -> bool:

@@ -39,6 +39,8 @@ import requests
 
 log = logging.getLogger(__name__)
 
+KV_LAYOUT_MARK = "dsa-bridge"  # the kv_layout a dsa-bridge prefill registers: decode requires it
+CP_PAGE_SPLIT_MARK = KV_LAYOUT_MARK + " cp-page-split"  # ...one whose CP ranks split the pages
 DECODE_POLICY_MARK = ("dsa-bridge (this prefill runs dsa-bridge's transfer: set "
                       "SGLANG_PLUGINS=dsa_bridge on the decode server too)")
 POLICIES = ("early", "prefill_complete")  # sglang's --disaggregation-decode-allocation-policy
@@ -50,6 +52,18 @@ ABORT_TAG = b"ABORT"  # sglang's (common/conn.py): the first frame of a decode's
 ABORT_REPEATS_S = (0.0, 0.5, 1.5, 3.5)
 RANKS_TTL_S = 5.0  # a refused prefill's rank endpoints are looked up again after this (a restart)
 HTTP_TIMEOUT_S = 2.0
+
+
+def layout_mark(cp_page_split: bool) -> str:
+    """The ``kv_layout`` a dsa-bridge prefill registers: dsa-bridge's, saying whether its CP ranks
+    each write a share of every request's pages (``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER``
+    on the prefill), which a dsa-bridge decode then reads from every CP rank."""
+    return CP_PAGE_SPLIT_MARK if cp_page_split else KV_LAYOUT_MARK
+
+
+def bridge_layout(kv_layout: str | None) -> bool:
+    """Whether a prefill's registered ``kv_layout`` is a dsa-bridge prefill's."""
+    return kv_layout in (KV_LAYOUT_MARK, CP_PAGE_SPLIT_MARK)
 
 
 def policy_mark(policy: str) -> str:
@@ -162,12 +176,11 @@ class PrefillAborts:
     sglang's (it was refused for another reason, and its port speaks dsa-bridge's protocol):
     nothing is sent to it. ``sent``: ABORT messages sent."""
 
-    def __init__(self, dsa_bridge_layout: str, clock=time.monotonic):
+    def __init__(self, clock=time.monotonic):
         import zmq
 
         self._zmq = zmq
         self._context = zmq.Context()
-        self.dsa_bridge_layout = dsa_bridge_layout
         self.clock = clock
         self.sent = 0
         self._schedule = AbortSchedule()
@@ -240,7 +253,7 @@ class PrefillAborts:
                             "&target_pp_rank=-1" + marked_route_query(), timeout=HTTP_TIMEOUT_S)
         info.raise_for_status()
         endpoints = []
-        if info.json().get("kv_layout") != self.dsa_bridge_layout:
+        if not bridge_layout(info.json().get("kv_layout")):
             for query in prefill_rank_queries(info.json()):
                 rank = requests.get(base + query, timeout=HTTP_TIMEOUT_S)
                 rank.raise_for_status()

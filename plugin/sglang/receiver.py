@@ -98,7 +98,8 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         self.kv_mgr.deferred_release.forget_released()  # a cleared request's room may be free again
         try:
             self._receiver = self._node.receiver(self.bootstrap_room, list(self._group.write),
-                                                 reserve=self.kv_mgr.defer_allocation)
+                                                 reserve=self.kv_mgr.defer_allocation,
+                                                 shares=self._group.shares)
         except ValueError as exc:
             self._fail(f"prefill {self.bootstrap_addr} (dp {dp_rank}): {exc}")
             return

@@ -13,6 +13,11 @@ On a prefill attention-CP rank other than 0 in sglang's default CP mode (``mgr.i
 not with layer split, where every CP rank writes its layers) a sender is sglang's dummy
 (``DummyCPRequest``): WaitingForInput at once, without a node request or a DP-rank registration,
 Success once the request's last chunk is sent, writing nothing; CP rank 0 writes the request.
+
+Where the request's pages are split among the prefill ranks (``mgr.page_share``: sglang's KV
+sharding, prefill CP's page split) each chunk goes to the node as this rank's share of it
+(``early_send.ShareChunk``: its page ids in this rank's pool, their positions in the request),
+a chunk with none of its pages sent only when it is the last.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_parallel
 
 from .bringup import backend_of, dp_route, sglang_class
+from .early_send import ShareChunk
 from .failures import ANOTHER_RANK_FAILED, TERMINAL, FailedRequest, state_problem
 from .manager import DSABridgeKVManager
 from .phases import PhaseClock
@@ -72,6 +78,7 @@ class DSABridgeKVSender(BaseKVSender):
         self.bootstrap_addr = bootstrap_addr
         self.bootstrap_room = bootstrap_room
         self._sent: list[np.ndarray] = []
+        self._num_pages = 0  # ``init``'s: the request's pages (those after decode's prefix)
         self._early_send_wait_event = None  # sglang sets it before an early send (prefill.py)
         self._phases = PhaseClock("prefill", mgr.phase_limits, time.monotonic(),  # sglang's deadlines
                                   deferred=mgr.defer_allocation)
@@ -121,6 +128,7 @@ class DSABridgeKVSender(BaseKVSender):
             self._dummy.init(int(num_kv_indices))
         if self._sender is None:
             return
+        self._num_pages = int(num_kv_indices)
         try:
             self._sender.init(int(num_kv_indices), aux_index=aux_index)
         except ValueError as exc:
@@ -133,6 +141,7 @@ class DSABridgeKVSender(BaseKVSender):
         if self._sender is None:
             return
         pages = np.asarray(kv_indices, dtype=np.int64)
+        start = sum(sent.size for sent in self._sent)
         self._sent.append(pages)
         if state_indices is not None:
             problem = state_problem(state_indices, np.concatenate(self._sent))
@@ -142,6 +151,9 @@ class DSABridgeKVSender(BaseKVSender):
         # an early send's pages may still be being written by a forward: sglang's event says when
         # they are done (``early_send``); never waited for on sglang's scheduler thread
         event, self._early_send_wait_event = self._early_send_wait_event, None
+        share = self.kv_mgr.page_share
+        if share is not None:  # this rank's share of the chunk
+            pages = ShareChunk(*share.of_chunk(pages, start, self._num_pages), start + pages.size)
         self.kv_mgr.early_sends.send(self._sender, pages, event)
 
     def poll(self) -> KVPoll:

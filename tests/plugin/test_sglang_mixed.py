@@ -151,7 +151,7 @@ def aborts():
     made = []
 
     def make(layout: str | None):
-        prefill, sender = StandInPrefill(layout), PrefillAborts("dsa-bridge")
+        prefill, sender = StandInPrefill(layout), PrefillAborts()
         made.append((prefill, sender))
         return prefill, sender
 

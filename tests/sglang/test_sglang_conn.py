@@ -12,9 +12,10 @@ against the real sglang 0.5.23 on the CPU.
   and compact); a compact prefill against a uniform decode, and another layer range, refused at
   the handshake with decode's pool still at its sentinel; a two-stage prefill through sglang's
   own ``poll_and_all_reduce_prefill_pp`` (``poll_pp_consensus``);
-- a prefill decode cannot pair with (kv_layout, page size, dtype, KV sharding) refused from the
-  bootstrap server's parallel info, never raised: the reason, naming the flag to change, logged
-  once and failing the prefill's receivers (attention-TP widths: test_sglang_tp_widths.py).
+- a prefill decode cannot pair with (kv_layout, page size, dtype, KV sharding at another width)
+  refused from the bootstrap server's parallel info, never raised: the reason, naming the flag
+  to change, logged once and failing the prefill's receivers (attention-TP widths:
+  test_sglang_tp_widths.py).
 """
 
 from __future__ import annotations
@@ -474,8 +475,9 @@ def put_route(port: int, payload: dict) -> None:
                           "on the prefill too"),
     ({"page_size": 32}, r"page size: prefill 32, decode 64 \(both servers need the same --page-size\)"),
     ({"kv_cache_dtype": "bf16"}, "KV cache dtype: prefill bf16, decode fp8_e4m3 .*--kv-cache-dtype"),
-    ({"enable_kv_cache_sharding": True},
-     r"--enable-kv-cache-sharding: each rank holds a share .*\(remove it from the prefill\)"),
+    ({"enable_kv_cache_sharding": True, "attn_tp_size": 2},
+     r"--enable-kv-cache-sharding on the prefill needs equal attention-TP widths .*prefill 2, "
+     r"decode 1 .*or remove it\)"),
 ])
 def test_decode_refuses_a_prefill_it_cannot_pair_with_naming_the_flag(changes, message, caplog):
     """Never raised (sglang's prealloc queue does not catch it): False, the reason logged once,

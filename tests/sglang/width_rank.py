@@ -26,10 +26,20 @@ slots each):
 With ``layer_split`` (``--enable-dsa-cache-layer-split``) a prefill rank's pool is sglang's own
 ``LayerSplitDSATokenToKVPool`` over sglang's CP ``GroupCoordinator`` (gloo): its CP rank's layers
 only, which sglang's ``_init_kv_manager`` names from the pool's ``layer_shard_start``.
+
+With ``sharded`` (``--enable-kv-cache-sharding``) a prefill rank's pool is sglang's own
+``PageInterleaveDSATokenToKVPool`` over sglang's KV shard group, a ``GroupCoordinator`` (gloo) of
+its DP group: the attention-CP group with CP (the shape sglang allows for DSA pools), else the
+attention-TP group. A request's ``src_pages`` are logical pages, logical page ``l`` held by rank
+``l % 2`` as its local page ``l // 2``; each rank's pool holds other bytes (its own seed), and
+decode compares each page with the rank that holds it (``compare_shares``). With
+``all_cp_ranks`` (sglang's ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER``, on both sides) each
+prefill CP rank writes its contiguous share of the request's pages, from its own seed.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import tests.sglang.conftest as shims  # noqa: F401  (the shims, before sglang)
@@ -43,6 +53,8 @@ def as_rank(cfg: dict) -> None:
     """This process is sglang rank ``tp_rank`` (the published context gives rank 0)."""
     from sglang.srt.runtime_context import get_parallel
 
+    if cfg.get("all_cp_ranks"):
+        os.environ["SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"] = "1"
     cp = cfg.get("cp_size", 1)
     attn_tp = cfg["tp_size"] // (cfg.get("dp_size", 1) * cp)
     get_parallel().override_permanently(tp_rank=cfg["tp_rank"], attn_tp_rank=cfg["tp_rank"] % attn_tp,
@@ -78,14 +90,18 @@ def prefill_rank(cfg: dict, server_args) -> dict:
 
     as_rank(cfg)
     group = tp_group(cfg)
-    server, pool, metadata, manager = tp_rank.prefill_manager(
-        cfg, server_args, layer_split_pool(cfg) if cfg.get("layer_split") else None)
+    pool = (layer_split_pool(cfg) if cfg.get("layer_split")
+            else sharded_pool(cfg) if cfg.get("sharded") else None)
+    server, pool, metadata, manager = tp_rank.prefill_manager(cfg, server_args, pool)
     senders = [tp_rank.initialised_sender({**cfg, **request}, manager) for request in cfg["requests"]]
     # MLA: decode reads from the group's first rank; with CP, from CP rank 0 (with layer split,
-    # from every CP rank: each holds its own layers)
+    # from every CP rank: each holds its own layers); sharded, from every rank (its own seed)
     parallel = get_parallel()
     writes = parallel.attn_tp_rank == 0 and (parallel.attn_cp_rank == 0 or cfg.get("layer_split"))
-    seed = cfg["seed"] + (0 if writes else OTHER_RANKS_SEED)
+    if cfg.get("sharded") or cfg.get("all_cp_ranks"):  # every rank writes its share
+        seed = cfg["seed"] + (parallel.attn_tp_rank + parallel.attn_cp_rank) * OTHER_RANKS_SEED
+    else:
+        seed = cfg["seed"] + (0 if writes else OTHER_RANKS_SEED)
     pd_rank.fill_pool(pool, seed)
     pd_rank.fill(pd_rank.aux_views(metadata), seed=seed + 1)
     for sender, request in zip(senders, cfg["requests"], strict=True):
@@ -123,6 +139,50 @@ def layer_split_pool(cfg: dict):
                                       layer_shard_size=cp.world_size)
 
 
+def sharded_pool(cfg: dict):
+    """sglang's ``PageInterleaveDSATokenToKVPool`` of this rank, its KV shard group (attention CP,
+    or attention TP without CP: the whole DP group here) sglang's ``GroupCoordinator`` on the
+    gloo world."""
+    from types import SimpleNamespace
+
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+    from sglang.srt.mem_cache.page_interleave import PageShardSpec
+    from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool
+    from sglang.srt.runtime_context import get_parallel
+
+    over_cp = cfg.get("cp_size", 1) > 1
+    shard = GroupCoordinator([list(range(cfg["world"]))], cfg["dist_rank"], "gloo",
+                             group_name="attn_cp" if over_cp else "attn_tp", **pd_rank.GLOO_GROUP)
+    alone = SimpleNamespace(world_size=1, rank_in_group=0)
+    get_parallel().override_permanently(attn_cp_group=shard if over_cp else alone,
+                                        attn_tp_group=alone if over_cp else shard,
+                                        enable_kv_cache_sharding=True)
+    spec = PageShardSpec(shard_rank=shard.rank_in_group, shard_size=shard.world_size, page_size=64,
+                         max_prefix_tokens=64 * 2 * shard.world_size, chunk_tokens=128)
+    return PageInterleaveDSATokenToKVPool(**pd_rank.pool_kwargs(cfg), shard_spec=spec,
+                                          shard_group=shard)
+
+
+def compare_shares(cfg: dict, pool, metadata, receiver) -> dict:
+    """``pd_rank.compare`` of each of two prefill ranks' shares of the pages, each from that
+    rank's pool (seeded as that rank), the aux slot from rank 0. ``split`` "kv-sharding":
+    logical page ``l`` from rank ``l % 2`` at its local page ``l // 2``; "cp": the first
+    ``ceil(n / 2)`` pages from CP rank 0, the rest from CP rank 1, at the same page ids."""
+    pages = cfg["src_pages"]
+    if cfg["split"] == "kv-sharding":
+        owner, local = [p % 2 for p in pages], [p // 2 for p in pages]
+    else:
+        owner, local = [int(i >= (len(pages) + 1) // 2) for i in range(len(pages))], pages
+    parts = []
+    for rank in (0, 1):
+        at = [i for i in range(len(pages)) if owner[i] == rank]
+        parts.append(pd_rank.compare({**cfg, "seed": cfg["seed"] + rank * OTHER_RANKS_SEED,
+                                      "src_pages": [local[i] for i in at],
+                                      "dst_pages": [cfg["dst_pages"][i] for i in at]},
+                                     pool, metadata, receiver))
+    return {**parts[0], "mismatched": parts[0]["mismatched"] + parts[1]["mismatched"]}
+
+
 def decode_rank(cfg: dict, server_args) -> dict:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
@@ -158,8 +218,10 @@ def decode_rank(cfg: dict, server_args) -> dict:
     result = {"verdicts": verdicts,
               "reasons": [pd_rank.reason_of(r) if v == 0 else "" for r, v in zip(receivers, verdicts,
                                                                                strict=True)],
-              "groups": [[len(r._group.write), len(r._group.idle), r._group.copies] for r in receivers],
-              "compared": [pd_rank.compare({**cfg, **request}, pool, metadata, receiver)
+              "groups": [[len(r._group.write), len(r._group.idle), r._group.copies, r._group.shares]
+                         for r in receivers],
+              "compared": [(compare_shares if request.get("split") else pd_rank.compare)(
+                  {**cfg, **request}, pool, metadata, receiver)
                            for receiver, request in zip(receivers, cfg["requests"], strict=True)],
               "untouched": untouched(cfg, pool), "engines": len(engines),
               "nodes": len(manager.decode_nodes.nodes), "peers": [r.bootstrap_infos for r in receivers],

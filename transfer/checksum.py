@@ -113,13 +113,14 @@ def max_chunk_pages(num_buffers: int) -> int:
 
 
 def verify_chunk(views: dict[BufferKey, torch.Tensor], request_pages: np.ndarray,
-                 sums: protocol.PageChecksums | None) -> int:
+                 sums: protocol.PageChecksums | None, *, index_pages: np.ndarray | None = None
+                 ) -> int:
     """Check a chunk's pages in decode's pool against the checksums prefill sent.
 
-    ``request_pages`` are decode's page ids of the whole request; the chunk covers those at
-    ``[sums.offset, sums.offset + n)``. Returns the number of (buffer, page) checksums verified;
-    raises ChecksumError naming the layer, cache and page of the first mismatch, or what is wrong
-    with the message."""
+    ``request_pages`` are decode's page ids of the whole request (``index_pages`` its indexer's,
+    where they differ); the chunk covers those at ``[sums.offset, sums.offset + n)``. Returns the
+    number of (buffer, page) checksums verified; raises ChecksumError naming the layer, cache and
+    page of the first mismatch, or what is wrong with the message."""
     if sums is None:
         raise ChecksumError("prefill sent no checksums (is it running with --checksums?)")
     if sums.algorithm not in ALGORITHMS:
@@ -139,14 +140,18 @@ def verify_chunk(views: dict[BufferKey, torch.Tensor], request_pages: np.ndarray
     if count == 0 or sums.offset < 0 or sums.offset + count > len(request_pages):
         raise ChecksumError(f"checksums of pages [{sums.offset}, {sums.offset + count}) do not fit "
                             f"the request's {len(request_pages)} pages")
-    pages = np.asarray(request_pages[sums.offset:sums.offset + count], dtype=np.int64)
+    window = slice(sums.offset, sums.offset + count)
+    pages = np.asarray(request_pages[window], dtype=np.int64)
+    pages_of = {"kv": pages, "index": pages if index_pages is None
+                else np.asarray(index_pages[window], dtype=np.int64)}
     expected = np.frombuffer(sums.values, dtype="<u8").reshape(len(keys), count)
-    actual = np.stack([page_checksums(views[key], pages, sums.algorithm) for key in keys])
+    actual = np.stack([page_checksums(views[key], pages_of[key[1]], sums.algorithm) for key in keys])
     bad = np.argwhere(actual != expected)
     if bad.size:
         buffer, i = (int(x) for x in bad[0])
         layer, kind = keys[buffer]
-        raise ChecksumError(f"checksum mismatch: layer {layer} {kind} cache, page {int(pages[i])} "
+        raise ChecksumError(f"checksum mismatch: layer {layer} {kind} cache, page "
+                            f"{int(pages_of[kind][i])} "
                             f"(page {sums.offset + i} of the request); {len(bad)} of "
                             f"{expected.size} checksums of the chunk differ")
     return expected.size

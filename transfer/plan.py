@@ -6,8 +6,11 @@ each chunk of a request turns the paired page ids into one write per run of cons
 per paired buffer (``plan_writes``); a peer's pairs are a ``PairTable``, which holds the arrays
 every chunk's plan reads, built once at the handshake. A request's indexer page ids are its KV
 page ids (page p of a KV buffer is row p of the indexer buffer): one list of page ids addresses
-both caches. Every page id is checked against the registered regions of both sides before a
-single address is produced.
+both caches, unless decode names its own indexer pages (``index_pages``: sglang's HiSparse
+decode holds the KV in a host pool and the indexer in its device pool, each with its own page
+ids). Page 0 is padding, never written, but in a destination whose KV buffers hold no padding
+page (``kv_page_zero``: that host pool). Every page id is checked against the registered
+regions of both sides before a single address is produced.
 
 Aux buffers (SGLang's metadata buffers: one slot per request in each) are paired by position
 (``pair_aux``); a request's slot is written with its last chunk (``with_aux_writes``).
@@ -25,6 +28,7 @@ import numpy as np
 from ..plugin.descriptors import CACHE_KINDS, BufferDescriptor
 
 PADDING_PAGE = 0
+INDEX_KIND = "index"
 
 
 class PlanError(ValueError):
@@ -50,6 +54,15 @@ class PairTable(Sequence[BufferPair]):
         self.item_len = np.array([p.src.item_len for p in self._pairs], dtype=np.int64)
         self.src_pages = min((p.src.num_items for p in self._pairs), default=0)
         self.dst_pages = min((p.dst.num_items for p in self._pairs), default=0)
+        self._kinds: dict[bool, PairTable] = {}
+
+    def split_index(self) -> tuple[PairTable, PairTable]:
+        """(the KV pairs, the indexer pairs), each a table (made once)."""
+        for index in (False, True):
+            if index not in self._kinds:
+                self._kinds[index] = PairTable(p for p in self._pairs
+                                               if (p.src.kind == INDEX_KIND) == index)
+        return self._kinds[False], self._kinds[True]
 
     def __getitem__(self, index):
         return self._pairs[index]
@@ -147,8 +160,9 @@ def _ascending(pages: np.ndarray) -> bool:
     return bool((pages[1:] > pages[:-1]).all())
 
 
-def check_pages(pages: np.ndarray, limit: int, name: str) -> None:
-    """Every page id in [1, limit) and none twice: page 0 is padding and never transferred, and
+def check_pages(pages: np.ndarray, limit: int, name: str, *, first: int = PADDING_PAGE + 1) -> None:
+    """Every page id in [first, limit) and none twice: page 0 is padding and never transferred
+    (``first`` 0: buffers without a padding page), and
     two writes into one page would leave it holding whichever landed last. Ascending ids (what
     allocators hand out) hold no repeat and are bounded by their ends, so only other lists are
     sorted (a sort releases the GIL, which another thread then holds for up to its switch
@@ -157,19 +171,31 @@ def check_pages(pages: np.ndarray, limit: int, name: str) -> None:
         raise PlanError(f"{name} is empty")
     ordered = pages if _ascending(pages) else np.sort(pages)
     low, high = int(ordered[0]), int(ordered[-1])
-    if low <= PADDING_PAGE:
-        raise PlanError(f"{name} contains page {low}: page 0 is padding and ids must be >= 1")
+    if low < first:
+        raise PlanError(f"{name} contains page {low}: page 0 is padding and ids must be >= 1"
+                        if low == PADDING_PAGE else f"{name} contains page {low} < {first}")
     if high >= limit:
         raise PlanError(f"{name} contains page {high}, beyond the registered {limit} pages")
     if ordered is not pages and (ordered[1:] == ordered[:-1]).any():
         raise PlanError(f"{name} lists a page more than once")
 
 
-def check_destination(pairs: Sequence[BufferPair], dst_pages: object) -> np.ndarray:
-    """Decode's page ids for a request, checked against every buffer it announced."""
+def check_destination(pairs: Sequence[BufferPair], dst_pages: object, index_pages: object = None,
+                      *, kv_page_zero: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """Decode's page ids for a request, checked against every buffer it announced: its KV pages
+    (from page 0 with ``kv_page_zero``), and its indexer pages (``index_pages``, as many; None:
+    the KV pages, then checked against the indexer buffers too)."""
     dst = as_page_ids(dst_pages, "dst_pages")
-    check_pages(dst, as_table(pairs).dst_pages, "dst_pages")
-    return dst
+    index = None if index_pages is None else as_page_ids(index_pages, "index_pages")
+    kv_table, index_table = as_table(pairs).split_index()
+    if index is not None and index.size != dst.size:
+        raise PlanError(f"index_pages has {index.size} pages but dst_pages has {dst.size}")
+    if kv_table:
+        check_pages(dst, kv_table.dst_pages, "dst_pages", first=0 if kv_page_zero else 1)
+    if index_table:
+        check_pages(dst if index is None else index, index_table.dst_pages,
+                    "dst_pages" if index is None else "index_pages")
+    return dst, index
 
 
 def coalesce_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -187,8 +213,11 @@ def coalesce_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndar
     return src[starts], dst[starts], lengths
 
 
-def plan_writes(pairs: Sequence[BufferPair], src_pages: object, dst_pages: object) -> WritePlan:
-    """One write per run of consecutive pages, for every paired buffer (all layers, both caches).
+def plan_writes(pairs: Sequence[BufferPair], src_pages: object, dst_pages: object,
+                index_pages: object = None, *, kv_page_zero: bool = False) -> WritePlan:
+    """One write per run of consecutive pages, for every paired buffer (all layers, both caches):
+    the KV buffers into ``dst_pages`` (from page 0 with ``kv_page_zero``), the indexer buffers
+    into ``index_pages`` (None: ``dst_pages`` too).
 
     Raises PlanError, before producing any address, when the page lists differ in length, hold
     page 0, a page beyond either side's smallest registered buffer, or a repeated page."""
@@ -199,9 +228,23 @@ def plan_writes(pairs: Sequence[BufferPair], src_pages: object, dst_pages: objec
     if not pairs:
         raise PlanError("no buffers to transfer")
     table = as_table(pairs)
-    check_pages(src, table.src_pages, "src_pages")
-    check_pages(dst, table.dst_pages, "dst_pages")
+    if index_pages is None and not kv_page_zero:
+        return _plan_table(table, src, dst, "dst_pages")
+    index = dst if index_pages is None else as_page_ids(index_pages, "index_pages")
+    if index.size != src.size:
+        raise PlanError(f"src_pages has {src.size} pages but index_pages has {index.size}")
+    kv_table, index_table = table.split_index()
+    plans = [_plan_table(kv_table, src, dst, "dst_pages", first=0 if kv_page_zero else 1),
+             *([_plan_table(index_table, src, index, "index_pages")] if index_table else [])]
+    return WritePlan(*(np.concatenate([getattr(p, key) for p in plans])
+                       for key in ("src", "dst", "length")), runs=sum(p.runs for p in plans))
 
+
+def _plan_table(table: PairTable, src: np.ndarray, dst: np.ndarray, dst_name: str, *,
+                first: int = PADDING_PAGE + 1) -> WritePlan:
+    """``plan_writes`` over one table and one destination page list."""
+    check_pages(src, table.src_pages, "src_pages")
+    check_pages(dst, table.dst_pages, dst_name, first=first)
     src_start, dst_start, run_len = coalesce_runs(src, dst)
     item_len = table.item_len[:, None]
     return WritePlan(
@@ -284,11 +327,14 @@ def with_aux_writes(plan: WritePlan, pairs: Sequence[BufferPair], src_index: int
 
 def plan_chunk(pairs: Sequence[BufferPair], src_pages: object, dst_pages: object, *, last: bool,
                aux_pairs: Sequence[BufferPair] = (), aux_src: int | None = None,
-               aux_dst: int | None = None) -> WritePlan:
-    """One chunk of a request: its pages in every paired buffer (``plan_writes``) and, when it is
-    the request's ``last`` chunk, its aux slot ``aux_src`` into decode's ``aux_dst``
-    (``with_aux_writes``). A last chunk may hold no page (a share writer whose share ended
-    earlier): then only its aux slot, if any. Raises PlanError before producing any address."""
+               aux_dst: int | None = None, index_pages: object = None,
+               kv_page_zero: bool = False) -> WritePlan:
+    """One chunk of a request: its pages in every paired buffer (``plan_writes``, with decode's
+    ``index_pages`` and ``kv_page_zero``) and, when it is the request's ``last`` chunk, its aux
+    slot ``aux_src`` into decode's ``aux_dst`` (``with_aux_writes``). A last chunk may hold no
+    page (a share writer whose share ended earlier): then only its aux slot, if any. Raises
+    PlanError before producing any address."""
     src, dst = as_page_ids(src_pages, "src_pages"), as_page_ids(dst_pages, "dst_pages")
-    plan = NO_WRITES if last and src.size == 0 and dst.size == 0 else plan_writes(pairs, src, dst)
+    plan = NO_WRITES if last and src.size == 0 and dst.size == 0 else plan_writes(
+        pairs, src, dst, index_pages, kv_page_zero=kv_page_zero)
     return with_aux_writes(plan, aux_pairs, aux_src, aux_dst) if last else plan

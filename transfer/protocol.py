@@ -40,6 +40,8 @@ from ..plugin.descriptors import MAX_KIND_CHARS, BufferDescriptor
 # application asks for it: version 3 peers without it still pair.
 # Page shares added one optional field (ChunkDone.positions), sent only by a prefill whose
 # application writes a share of a request's pages (sglang's KV sharding, prefill CP's page split).
+# Decode's own indexer pages added two optional fields (Hello.kv_page_zero, RequestPages.
+# index_pages), set only by a decode whose application asks (sglang's HiSparse decode).
 PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # of any message; each node's sockets take less (limits.py)
 
@@ -100,6 +102,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     epoch: int = 0  # counts decode's handshakes of this session with this prefill node
     aux_buffers: Annotated[list[BufferDescriptor], msgspec.Meta(max_length=MAX_AUX_BUFFERS)] = []
     staging: StagingArea | None = None  # where prefill may stage this node's chunks (optional)
+    kv_page_zero: bool = False  # its KV buffers hold no padding page: page 0 may be written
 
 
 class HelloAck(msgspec.Struct, frozen=True, tag="hello_ack"):
@@ -124,7 +127,9 @@ class RequestPages(msgspec.Struct, frozen=True, tag="request"):
     request from this prefill (a decode wider than prefill's attention TP: each of its ranks
     announces its own pages, and prefill writes once all did). ``nothing_to_send``: this decode
     reads the request from another prefill rank (a prefill wider than decode's attention TP):
-    no pages, and this prefill's sender succeeds with its last chunk, writing nothing."""
+    no pages, and this prefill's sender succeeds with its last chunk, writing nothing.
+    ``index_pages``: decode's indexer pages for the same pages of the request, where they are
+    not ``dst_pages`` (sglang's HiSparse decode: KV in a host pool, the indexer on the device)."""
 
     room: int
     dst_pages: list[int]
@@ -133,6 +138,7 @@ class RequestPages(msgspec.Struct, frozen=True, tag="request"):
     prefix_tokens: int = 0
     copies: int = 1
     nothing_to_send: bool = False
+    index_pages: list[int] | None = None
 
 
 class PageChecksums(msgspec.Struct, frozen=True, array_like=True):

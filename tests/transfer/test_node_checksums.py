@@ -145,10 +145,10 @@ def test_verification_runs_off_the_control_thread_and_holds_the_request_in_trans
     release, threads = threading.Event(), []
     real = checksum.verify_chunk
 
-    def slow_verify(*args):
+    def slow_verify(*args, **kwargs):
         threads.append(threading.current_thread().name)
         assert release.wait(10)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(verify.checksum, "verify_chunk", slow_verify)
     _, receiver = start(prefill, decode, 8, [1, 2, 3], [4, 5, 6], chunks=3)

@@ -14,6 +14,11 @@ stage's bytes. Deferred allocation (``receiver(..., reserve=True)``): the reques
 its prefill nodes before any page is allocated, and ``KVReceiver.prefill_ready`` says when they
 have computed it (``PrefillReady``); the application then allocates and calls ``init``.
 
+Decode's own indexer pages (``init(..., index_page_ids=)``): where the application holds the
+KV and the indexer in different pools (sglang's HiSparse decode: KV in a host pool whose page 0
+is a page, ``kv_page_zero``, the indexer in the device pool), the request names both lists,
+as many pages each; prefill then writes each cache into its own pages, on the direct route.
+
 A staging area (``staging_bytes``; ``scatter.SliceScatter``) is registered with the pool and
 split among the prefill nodes, each offered its share in its Hello: a prefill node may then send
 a chunk of many small descriptors as a few slices written there, which decode scatters into the
@@ -53,7 +58,7 @@ from ..handshake import check_index_reads, pool_buffers
 from ..node_runtime import NodeRuntime
 from ..plan import as_aux_buffers
 from ..request import KVPoll
-from .receiver import KVReceiver, ReceiverContext
+from .receiver import KVReceiver, PageLimits, ReceiverContext
 from .scatter import SliceScatter
 from .sessions import Handshaker, PrefillPeer
 from .stages import StageChoice
@@ -76,7 +81,7 @@ class DecodeNode:
                  quarantine_timeout_s: float = 600.0,
                  secret: bytes = b"", index_reads: Iterable[int] | None = None,
                  checksums: bool = False, aux_buffers=(), staging_bytes: int | None = None,
-                 slice_bytes: int | None = None):
+                 slice_bytes: int | None = None, kv_page_zero: bool = False):
         if not quarantine_timeout_s > 0:
             raise ValueError(f"quarantine_timeout_s must be > 0, got {quarantine_timeout_s}")
         self.pool = pool
@@ -95,7 +100,8 @@ class DecodeNode:
         self._receivers: dict[int, KVReceiver] = {}
         self.buffers = pool_buffers(pool)
         self.aux_buffers = as_aux_buffers(aux_buffers)  # (ptr, nbytes, item_len): host memory
-        page_limit = min(b.num_items for b in self.buffers)
+        limits = {kind: min((b.num_items for b in self.buffers if b.kind == kind), default=0)
+                  for kind in ("kv", "index")}
         endpoints = [prefill] if isinstance(prefill, str) else list(prefill)
         self._scatter = SliceScatter(pool, self.name, self._lock, peers=len(endpoints),
                                      send=self._send,
@@ -115,7 +121,7 @@ class DecodeNode:
             self._handshaker = Handshaker(self.name, backend, self.layout, self.buffers,
                                           self.aux_buffers, self.index_reads, secret=secret,
                                           session=self.session, counters=self.counters,
-                                          socket=self._runtime.socket)
+                                          socket=self._runtime.socket, kv_page_zero=kv_page_zero)
             self.peers = [self._handshaker.connect(e, handshake_timeout_s, area)
                           for e, area in zip(endpoints, self._scatter.areas, strict=True)]
             self._stages = StageChoice(self.layout, self.peers)
@@ -124,7 +130,8 @@ class DecodeNode:
             self._runtime.close()
             raise
         self._context = ReceiverContext(self.name, self._lock, self.counters, self._loop.send,
-                                        page_limit, self.aux_buffers, request_timeout_s,
+                                        PageLimits(limits["kv"], limits["index"], kv_page_zero),
+                                        self.aux_buffers, request_timeout_s,
                                         in_flight_grace_s, quarantine_timeout_s)
         self._verifier = ChunkVerifier(pool, self.name)
         self._runtime.start([peer.socket for peer in self.peers])

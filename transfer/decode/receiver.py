@@ -53,6 +53,27 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class PageLimits:
+    """The pages of this node's KV and indexer buffers (0: no indexer held), and whether its KV
+    buffers hold no padding page (page 0 is then a page)."""
+
+    kv: int
+    index: int
+    kv_page_zero: bool = False
+
+    def check(self, kv_pages: np.ndarray, index_pages: np.ndarray | None) -> None:
+        """PlanError unless ``kv_pages`` fit the KV buffers and the indexer pages (``index_pages``,
+        as many; None: ``kv_pages``) fit the indexer buffers."""
+        check_pages(kv_pages, self.kv, "page_ids", first=0 if self.kv_page_zero else 1)
+        if index_pages is not None and index_pages.size != kv_pages.size:
+            raise PlanError(f"index_page_ids has {index_pages.size} pages but page_ids has "
+                            f"{kv_pages.size}")
+        if self.index:
+            check_pages(kv_pages if index_pages is None else index_pages, self.index,
+                        "page_ids" if index_pages is None else "index_page_ids")
+
+
+@dataclass(frozen=True)
 class ReceiverContext:
     """What the requests of one decode node share."""
 
@@ -60,7 +81,7 @@ class ReceiverContext:
     lock: threading.Lock  # the node's: guards every request's state, parts and fence
     counters: Counters
     send: Callable[[zmq.Socket, protocol.Message], None]  # queues a message for the control loop
-    page_limit: int  # pages per buffer of the pool
+    page_limits: PageLimits  # pages per buffer of the pool
     aux_buffers: Sequence[BufferDescriptor]
     request_timeout_s: float
     in_flight_grace_s: float
@@ -83,6 +104,7 @@ class KVReceiver(RequestHandle):
         self.parts = RequestParts((p.endpoint for p in peers), shares=shares)
         self.fence = RequestFence(p.endpoint for p in peers)
         self.page_ids: np.ndarray | None = None
+        self.index_page_ids: np.ndarray | None = None  # the indexer's own pages, if not page_ids
         self.aux_index: int | None = None
         self.chunks = 0
         self.nbytes = 0
@@ -114,12 +136,14 @@ class KVReceiver(RequestHandle):
     # ---- application thread ----------------------------------------------------------------
 
     def init(self, page_ids, num_tokens: int = 0, aux_index: int | None = None, *,
-             prefix_tokens: int = 0, copies: int = 1) -> None:
+             prefix_tokens: int = 0, copies: int = 1, index_page_ids=None) -> None:
         """Send the pages decode allocated for this request (and its aux slot) to its prefill
         node(s). ``prefix_tokens``: the request's first tokens decode holds already (its radix
         cache): ``page_ids`` are for the rest, which is all prefill sends. ``copies``: how many
         decode nodes (this one included) each receive the whole request from the same prefill
-        node (a decode wider than prefill's attention TP)."""
+        node (a decode wider than prefill's attention TP). ``index_page_ids``: the indexer's own
+        pages for the same pages of the request, where they are not ``page_ids`` (the node's
+        module docstring)."""
         context = self._context
         if not isinstance(prefix_tokens, int) or prefix_tokens < 0:
             raise ValueError(f"prefix_tokens must be a non-negative int, got {prefix_tokens!r}")
@@ -133,12 +157,14 @@ class KVReceiver(RequestHandle):
             raise ValueError(f"room {self.room}: init called twice")
         try:
             pages = as_page_ids(page_ids, "page_ids")
-            check_pages(pages, context.page_limit, "page_ids")
+            index = None if index_page_ids is None else as_page_ids(index_page_ids, "index_page_ids")
+            context.page_limits.check(pages, index)
         except PlanError as exc:
             raise ValueError(str(exc)) from None
         with context.lock:
             now = time.monotonic()
             self.page_ids = pages
+            self.index_page_ids = index
             self.parts.start(pages.size)
             self.started_at = now
             if self.state.status in TERMINAL:  # aborted before init: ask no prefill node
@@ -153,8 +179,9 @@ class KVReceiver(RequestHandle):
         aux_peer = self._aux_peer()
         for peer in self.peers:
             aux = self.aux_index if peer is aux_peer else -1
-            context.send(peer.socket, protocol.RequestPages(self.room, pages.tolist(), int(num_tokens),
-                                                            aux, prefix_tokens, copies))
+            context.send(peer.socket, protocol.RequestPages(
+                self.room, pages.tolist(), int(num_tokens), aux, prefix_tokens, copies,
+                index_pages=None if index is None else index.tolist()))
 
     def abort(self, reason: str = "aborted by decode") -> None:
         with self._context.lock:
@@ -199,8 +226,9 @@ class KVReceiver(RequestHandle):
             self._settle_locked(now)
             return False
         problem = self.parts.positions(peer.endpoint, done.positions)
-        if not problem and done.slices and self.parts.shares:
-            problem = f"prefill {peer.endpoint} staged a chunk of its share of the pages"
+        if not problem and done.slices and (self.parts.shares or self.index_page_ids is not None):
+            problem = (f"prefill {peer.endpoint} staged a chunk of a request of shares or of two "
+                       "page lists, which decode cannot scatter")
         if problem:  # later chunks may still be written: held until every prefill confirms
             self._fail_sent_locked(problem, now)
             return False
@@ -250,11 +278,14 @@ class KVReceiver(RequestHandle):
         elif self.parts.complete and self.state.advance(KVPoll.Success, now):
             self._context.counters.request_ok(self.state.finished_at - self.started_at)
 
-    def chunk_pages(self, done: protocol.ChunkDone) -> np.ndarray:
-        """Decode's page ids a chunk's checksums index: the request's, or a share chunk's own."""
+    def chunk_pages(self, done: protocol.ChunkDone) -> tuple[np.ndarray, np.ndarray | None]:
+        """Decode's page ids a chunk's checksums index, of the KV and of the indexer (None: the
+        KV's): the request's, or a share chunk's own."""
+        lists = (self.page_ids, self.index_page_ids)
         if done.positions is None:
-            return self.page_ids
-        return self.page_ids[np.asarray(done.positions, dtype=np.int64)]
+            return lists
+        at = np.asarray(done.positions, dtype=np.int64)
+        return tuple(None if pages is None else pages[at] for pages in lists)
 
     # ---- its prefill nodes' liveness, and the tick (control thread) -------------------------
 

@@ -87,9 +87,11 @@ class SliceScatter:
             self._queue_locked((peer, None, written))  # nothing to scatter: the slice to free
             return
         pages = receiver.page_ids.size if receiver.page_ids is not None else 0
-        if receiver.parts.shares:  # a share's pages are named by its chunk, never staged
+        if receiver.parts.shares or receiver.index_page_ids is not None:  # never staged: a
+            # share's pages are named by its chunk; a slice scatters into one page list
             raise protocol.ProtocolError(f"room {written.room}: a staged slice from prefill "
-                                         f"{peer.endpoint}, which writes a share of the pages")
+                                         f"{peer.endpoint} for a request of shares or of two "
+                                         "page lists")
         if (peer not in receiver.peers or written.pages < 1 or written.offset < 0
                 or written.offset + written.pages > pages
                 or written.pages * peer.page_bytes > area.slice_bytes):

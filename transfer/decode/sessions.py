@@ -143,8 +143,9 @@ class Handshaker:
     def __init__(self, name: str, backend: TransferBackend, layout: DSALayout,
                  buffers: Sequence[BufferDescriptor], aux_buffers: Sequence[BufferDescriptor],
                  index_reads: Sequence[int], *, secret: bytes, session: bytes, counters: Counters,
-                 socket: Callable[[int, int], zmq.Socket]):
+                 socket: Callable[[int, int], zmq.Socket], kv_page_zero: bool = False):
         self.name = name
+        self.kv_page_zero = kv_page_zero  # its KV buffers hold no padding page
         self.backend_name = backend.name
         self.engine_metadata = backend.metadata()
         self.layout = layout
@@ -163,7 +164,7 @@ class Handshaker:
             self.layout.layout_hash(), self.engine_metadata, buffer_infos(self.buffers),
             list(self.index_reads), nonce=os.urandom(16), sent_at=time.time(),
             session=self.session, epoch=epoch,
-            aux_buffers=self.aux_buffers, staging=staging)
+            aux_buffers=self.aux_buffers, staging=staging, kv_page_zero=self.kv_page_zero)
         if self.secret:
             hello = msgspec.structs.replace(
                 hello, auth=auth.sign(self.secret, protocol.signed_bytes(hello)))

@@ -30,8 +30,9 @@ class VerifiedRequest(Protocol):
     room: int
     state: RequestState
 
-    def chunk_pages(self, done: protocol.ChunkDone) -> np.ndarray:
-        """Decode's page ids the chunk's checksums index."""
+    def chunk_pages(self, done: protocol.ChunkDone) -> tuple[np.ndarray, np.ndarray | None]:
+        """Decode's page ids the chunk's checksums index: of the KV, of the indexer (None: the
+        KV's)."""
 
     def chunk_verified(self, done: protocol.ChunkDone, peer, problem: str, verified: int,
                        seconds: float) -> None:
@@ -63,9 +64,10 @@ class ChunkVerifier:
         try:
             if self._views is None:
                 self._views = checksum.pool_views(self._pool)
-            pages = request.chunk_pages(done)
+            pages, index_pages = request.chunk_pages(done)
             if pages.size or done.positions is None:  # (a share writer's last chunk may be empty)
-                verified = checksum.verify_chunk(self._views, pages, done.checksums)
+                verified = checksum.verify_chunk(self._views, pages, done.checksums,
+                                                 index_pages=index_pages)
         except checksum.ChecksumError as exc:
             problem = str(exc)
         except Exception as exc:  # a bug must fail the request, not stop the verifier

@@ -240,7 +240,8 @@ class PrefillNode:
             self._sessions.begin(DecodePeer(identity, hello.node, engine_peer, pairing.pairs,
                                             time.monotonic(), session=session,
                                             aux_pairs=pairing.aux_pairs,
-                                            staging=pairing.staging), hello)
+                                            staging=pairing.staging,
+                                            kv_page_zero=hello.kv_page_zero), hello)
             for peer in ended:
                 self._disconnect_engine_locked(peer)
             self.counters.add(handshakes_ok=1)

@@ -42,12 +42,14 @@ class DecodePeer:
     dropped_at: float = 0.0
     aux_pairs: list[BufferPair] = field(default_factory=list)
     staging: StagingArea | None = None  # decode's staging area for this node (the staged route)
+    kv_page_zero: bool = False  # decode's KV buffers hold no padding page (its Hello)
 
 
 @dataclass(eq=False)
 class DecodeDestination:
-    """Where one decode node wants a request's pages: its node, its page ids and its aux slot,
-    and how many of the request's chunks were written there."""
+    """Where one decode node wants a request's pages: its node, its page ids (and its own
+    indexer page ids, where they differ) and its aux slot, and how many of the request's chunks
+    were written there."""
 
     peer: DecodePeer
     dst_pages: np.ndarray
@@ -57,6 +59,7 @@ class DecodeDestination:
     prefix_tokens: int = 0  # the request's first tokens decode holds already (not sent)
     chunks_written: int = 0
     finished: bool = False  # its last chunk was written
+    index_pages: np.ndarray | None = None  # decode's indexer pages (None: ``dst_pages``)
 
 
 @dataclass(eq=False)

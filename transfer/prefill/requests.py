@@ -79,7 +79,7 @@ def _announcement_problem(request: protocol.RequestPages) -> str | None:
     if not 1 <= request.copies <= protocol.MAX_COPIES:
         return f"copies {request.copies} is not in 1..{protocol.MAX_COPIES}"
     if request.nothing_to_send and (request.dst_pages or request.copies != 1
-                                    or request.aux_index != -1):
+                                    or request.aux_index != -1 or request.index_pages is not None):
         return "nothing_to_send with pages, an aux slot or several copies"
     return None
 
@@ -278,8 +278,9 @@ class RequestBook:
                 self._decode_gave_up_locked(room, mismatch)
                 return
         try:
-            dst = np.empty(0, np.int64) if request.nothing_to_send else check_destination(
-                peer.pairs, request.dst_pages)
+            dst, index = (np.empty(0, np.int64), None) if request.nothing_to_send else (
+                check_destination(peer.pairs, request.dst_pages, request.index_pages,
+                                  kv_page_zero=peer.kv_page_zero))
             aux = check_aux_index([p.dst for p in peer.aux_pairs], request.aux_index,
                                   "decode's aux_index")
         except PlanError as exc:
@@ -290,7 +291,7 @@ class RequestBook:
             self.destinations[room] = destinations
         destinations.members.append(DecodeDestination(peer, dst, request.num_tokens,
                                                       time.monotonic(), aux,
-                                                      request.prefix_tokens))
+                                                      request.prefix_tokens, index_pages=index))
         peer.rooms.add(room)
         sender = self.senders.get(room)
         if sender is not None and sender.state.status == KVPoll.Failed:  # before these pages

@@ -68,10 +68,19 @@ class Job:
     @property
     def dst_pages(self) -> np.ndarray:
         """Decode's page ids for the chunk's pages."""
+        return self._of_chunk(self.destination.dst_pages)
+
+    @property
+    def index_pages(self) -> np.ndarray | None:
+        """Decode's own indexer page ids for the chunk's pages (None: ``dst_pages``)."""
+        pages = self.destination.index_pages
+        return None if pages is None else self._of_chunk(pages)
+
+    def _of_chunk(self, request_pages: np.ndarray) -> np.ndarray:
         if self.chunk.positions is not None:
-            return self.destination.dst_pages[self.chunk.positions]
+            return request_pages[self.chunk.positions]
         offset = self.chunk.offset
-        return self.destination.dst_pages[offset:offset + self.chunk.pages.size]
+        return request_pages[offset:offset + self.chunk.pages.size]
 
 
 @dataclass(frozen=True)
@@ -158,9 +167,12 @@ def _planned(job: Job, routes: Routes) -> _Planned:
     try:
         plan = plan_chunk(peer.pairs, chunk.pages, job.dst_pages, last=chunk.last,
                           aux_pairs=peer.aux_pairs, aux_src=job.sender.aux_index,
-                          aux_dst=job.destination.aux_index)
-        shared = chunk.positions is not None  # a share's pages are named by its chunk: direct
-        return _Planned(job, plan, route=DIRECT if shared else routes.route_for(peer, plan))
+                          aux_dst=job.destination.aux_index, index_pages=job.index_pages,
+                          kv_page_zero=peer.kv_page_zero)
+        # direct: a share's pages are named by its chunk; decode's staging scatters every
+        # buffer into one page list
+        direct = chunk.positions is not None or job.destination.index_pages is not None
+        return _Planned(job, plan, route=DIRECT if direct else routes.route_for(peer, plan))
     except PlanError as exc:
         return _Planned(job, None, f"bad pages: {exc}")
     except Exception as exc:  # a bug must fail the request, not the caller

@@ -58,7 +58,8 @@ class DecodeNodes:
     def __init__(self, *, kv_args, pool: PagedBuffers, aux_buffers, backend: str, local_ip: str,
                  engine_options: dict, secret, checksums: bool, phase_limits: PhaseLimits,
                  allocation_policy: str, attn_tp_size: int, attn_tp_rank: int, attn_dp_rank: int,
-                 pp_size: int, pp_rank: int, memory_released: Callable[[], bool]):
+                 pp_size: int, pp_rank: int, memory_released: Callable[[], bool],
+                 kv_page_zero: bool = False):
         self.kv_args, self.pool, self.aux_buffers = kv_args, pool, aux_buffers
         self.backend, self.local_ip, self.engine_options = backend, local_ip, engine_options
         self.secret, self.checksums, self.phase_limits = secret, checksums, phase_limits
@@ -66,6 +67,7 @@ class DecodeNodes:
         self.attn_tp_size, self.attn_tp_rank = attn_tp_size, attn_tp_rank
         self.attn_dp_rank = attn_dp_rank
         self.pp_size, self.pp_rank = pp_size, pp_rank
+        self.kv_page_zero = kv_page_zero  # the KV in a pool without a padding page (HiSparse)
         self.memory_released = memory_released
         self.clock = time.monotonic  # the backoff's clock
         self._lock = threading.Lock()
@@ -273,7 +275,8 @@ class DecodeNodes:
                               in_flight_grace_s=IN_FLIGHT_GRACE_S,
                               quarantine_timeout_s=QUARANTINE_TIMEOUT_S,
                               aux_buffers=self.aux_buffers, secret=self.secret,
-                              checksums=self.checksums, staging_bytes=STAGING_BYTES)
+                              checksums=self.checksums, staging_bytes=STAGING_BYTES,
+                              kv_page_zero=self.kv_page_zero)
         except BaseException:
             backend.close()  # (a node that failed closes it too: idempotent)
             raise

@@ -116,10 +116,12 @@ def derive_layout(args, layer_ids: Sequence[int]) -> DSALayout:
 
 
 def bridge_buffers(args, *, start_layer: int, stages: int = 1,
-                   device_of: Callable[[int], str] = lambda ptr: "cpu") -> BridgeBuffers:
+                   device_of: Callable[[int], str] = lambda ptr: "cpu",
+                   split_devices: bool = False) -> BridgeBuffers:
     """One rank's ``KVArgs`` as validated dsa-bridge buffers, each registered as ``device_of`` its
     pointer ("cpu" or "cuda:N", ``memory_kinds``); ValueError naming what does not fit, and for a
-    pool whose KV and indexer buffers are not all on one device."""
+    pool whose KV and indexer buffers are not all on one device (``split_devices``, sglang's
+    HiSparse decode: the KV on one device and the indexer on one, maybe another)."""
     problem = dsa_problem(args)
     if problem:
         raise ValueError(problem)
@@ -130,10 +132,12 @@ def bridge_buffers(args, *, start_layer: int, stages: int = 1,
         (args.state_data_ptrs[0], args.state_data_lens[0], args.state_item_lens[0]), ids)
     descs = [msgspec.structs.replace(d, device=device_of(d.ptr))
              for d in found.buffer_descriptors()]
-    devices = sorted({d.device for d in descs})
-    if len(devices) > 1:
-        raise ValueError(f"the pool's KV and indexer buffers are on {devices}: dsa-bridge moves "
-                         "a pool held on one device")
+    for kinds in (("kv",), ("index",)) if split_devices else (("kv", "index"),):
+        devices = sorted({d.device for d in descs if d.kind in kinds})
+        if len(devices) > 1:
+            what = "KV and indexer buffers" if len(kinds) == 2 else f"{kinds[0]} buffers"
+            raise ValueError(f"the pool's {what} are on {devices}: dsa-bridge moves a pool held on "
+                             "one device")
     aux = list(zip(getattr(args, "aux_data_ptrs", None) or [], getattr(args, "aux_data_lens", None) or [],
                    getattr(args, "aux_item_lens", None) or [], strict=True))
     return BridgeBuffers(BufferSet(layout, descs), ids, aux, [device_of(ptr) for ptr, _, _ in aux])

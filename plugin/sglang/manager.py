@@ -53,8 +53,10 @@ deferred (no deadline until ``mark_prefill_complete``) and decode receivers rese
 first, allocating once the prefill is ready; each prefill registers its policy (``policy_mark``)
 and decode refuses a prefill of the other one.
 
-Each buffer is registered as the memory its pointer is (``memory_kinds``); HiSparse on decode is
-refused at start-up. sglang's memory saver releases the cache through
+Each buffer is registered as the memory its pointer is (``memory_kinds``). sglang's HiSparse decode
+(``hisparse``) holds the KV in a host pool without a padding page and the indexer in its device
+pool: the nodes take both, and each request names both page lists (``receiver.py``); with a
+draft model it is refused at start-up. sglang's memory saver releases the cache through
 ``deregister_buffer_to_engine`` (running requests fail, the cache leaves the engines first) and
 resumes it through ``register_buffer_to_engine``. sglang's runtime role switch tears the manager
 down (``teardown``: as ``shutdown``) and makes the other role's over the same pool.
@@ -179,12 +181,17 @@ class DSABridgeKVManager(BaseKVManager):
         self.is_dummy_cp_rank = prefill and dummy_cp_rank(
             self.attn_cp_size, self.attn_cp_rank, layer_split, self.page_share is not None)
         start = (getattr(args, "prefill_start_layer", 0) or 0) if prefill else self._stage_start(args)
-        problem = hisparse_problem(not prefill, bool(get_memory().enable_hisparse))
+        # sglang's HiSparse decode: the KV into its host pool (no padding page), the indexer into
+        # its device pool, each at its own pages
+        self.hisparse = not prefill and bool(get_memory().enable_hisparse)
+        problem = hisparse_problem(not prefill, self.hisparse,
+                                   int(getattr(args, "num_draft_entries", 0) or 0))
         if problem:
             raise ValueError(problem)
         info = pointer_info(_cuda())  # each buffer registered as the memory its pointer is
         self.bridge = bridge_buffers(args, start_layer=start, stages=self.pp_size,
-                                     device_of=lambda ptr: kind_of(ptr, info(ptr)).device)
+                                     device_of=lambda ptr: kind_of(ptr, info(ptr)).device,
+                                     split_devices=self.hisparse)
         device = self.bridge.buffers.buffer_descriptors()[0].device
         self.pool = PagedBuffers(self.bridge.buffers, device)  # what the nodes take as their pool
         self.secret = auth.load_secret()  # DSA_BRIDGE_SECRET, the same on prefill and decode
@@ -208,6 +215,7 @@ class DSABridgeKVManager(BaseKVManager):
             checksums=self.checksums, phase_limits=self.phase_limits,
             allocation_policy=self.allocation_policy, attn_tp_size=self.attn_tp_size,
             attn_tp_rank=self.attn_tp_rank, attn_dp_rank=self.attn_dp_rank, pp_size=self.pp_size,
+            kv_page_zero=self.hisparse,
             pp_rank=self.pp_rank, memory_released=lambda: self.memory_released)
         self.deferred_release = DeferredRelease(self.decode_nodes)  # decode: sglang's held pages
         self.early_sends = EarlySendDispatcher(  # chunks held until sglang's forward wrote them

@@ -19,7 +19,7 @@ class _DeviceBytes:
 class PagedBuffers:
     """sglang's buffers as the pool a dsa-bridge node takes: the validated descriptors (a
     ``BufferSet``) and, for the checksums, each buffer's pages as a uint8 view of sglang's memory
-    (``page_view``), made from its pointer on ``device``."""
+    (``page_view``), made from its pointer on its device; ``device``: the first buffer's."""
 
     def __init__(self, buffers: BufferSet, device: str):
         self.layout = buffers.layout
@@ -35,8 +35,8 @@ class PagedBuffers:
         import torch
 
         d = self._by_key[(layer_id, kind)]
-        if self.device == "cpu":
+        if d.device == "cpu":
             raw = torch.frombuffer((ctypes.c_uint8 * d.nbytes).from_address(d.ptr), dtype=torch.uint8)
         else:
-            raw = torch.as_tensor(_DeviceBytes(d.ptr, d.nbytes), device=self.device)
+            raw = torch.as_tensor(_DeviceBytes(d.ptr, d.nbytes), device=d.device)
         return raw.view(d.nbytes // d.item_len, d.item_len)

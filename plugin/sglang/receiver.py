@@ -109,7 +109,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
             self._receiver.abort(self._failed.reason)
 
     def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None,
-                      destination=KVTransferDestination.DEVICE) -> None:
+                      destination=KVTransferDestination.DEVICE, device_kv_indices=None) -> None:
         if self._receiver is None:
             self._fail("send_metadata before a successful init")
             return
@@ -123,13 +123,16 @@ class DSABridgeKVReceiver(BaseKVReceiver):
             if prefix % page_size
             else f"destination {destination} is not supported (device only)"
             if destination != KVTransferDestination.DEVICE
-            else state_problem(state_indices, pages) if state_indices is not None else None)
+            else "device_kv_indices (a draft model's pages under HiSparse) are not served"
+            if device_kv_indices is not None
+            else self._state_problem(state_indices, pages))
         if problem:
             self._fail(problem)  # prefill's sender is told at once (it fails, not times out)
             return
+        index_pages = self._index_pages(state_indices)
         try:
             self._receiver.init(pages, aux_index=aux_index, prefix_tokens=prefix,
-                                copies=self._group.copies)
+                                copies=self._group.copies, index_page_ids=index_pages)
         except ValueError as exc:
             self._fail(f"bad metadata: {exc}")
             return
@@ -138,6 +141,22 @@ class DSABridgeKVReceiver(BaseKVReceiver):
                                        prefix_tokens=prefix)
         self._metadata_sent = True
         self._phases.advance(time.monotonic())  # sglang's waiting timeout starts at send_metadata
+
+    def _state_problem(self, state_indices, pages: np.ndarray) -> str | None:
+        """Why sglang's DSA state indices cannot be taken: under HiSparse they must be given (the
+        indexer's own pages), else they must be the KV pages (``state_problem``)."""
+        if self.kv_mgr.hisparse:
+            given = state_indices[0] if state_indices is not None and len(state_indices) == 1 else None
+            return None if given is not None else (
+                "HiSparse decode without the DSA state indices (the indexer's own pages)")
+        return state_problem(state_indices, pages) if state_indices is not None else None
+
+    def _index_pages(self, state_indices) -> np.ndarray | None:
+        """The indexer's own pages under HiSparse (its device pool's, beside the host pool's KV
+        pages); None otherwise (the indexer's pages are the KV pages)."""
+        if not self.kv_mgr.hisparse:
+            return None
+        return np.asarray(state_indices[0], dtype=np.int64).ravel()
 
     def poll(self) -> KVPoll:
         """The request's status; a phase past its sglang bound (``phases``) fails it, naming the

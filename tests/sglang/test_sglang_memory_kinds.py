@@ -72,16 +72,32 @@ def test_each_buffer_is_registered_as_the_device_of_its_pointer():
     assert [d.device for d in as_aux_buffers(got.aux)] == ["cpu", "cpu"]  # triples: host memory
     on_gpu = bridge_buffers(args, start_layer=0, device_of=lambda ptr: "cuda:0")
     assert {d.device for d in on_gpu.buffers.buffer_descriptors()} == {"cuda:0"}
-    # HiSparse's split: KV in host memory, the indexer on the GPU
+    # HiSparse's split (KV in host memory, the indexer on the GPU), unless asked for
     kv = set(args.kv_data_ptrs)
     with pytest.raises(ValueError, match=r"KV and indexer buffers are on \['cpu', 'cuda:0'\]"):
         bridge_buffers(args, start_layer=0, device_of=lambda ptr: "cpu" if ptr in kv else "cuda:0")
 
 
-def test_hisparse_is_refused_on_decode_only_naming_the_flag():
-    assert hisparse_problem(decode=False, enable_hisparse=True) is None
-    assert hisparse_problem(decode=True, enable_hisparse=False) is None
-    assert "--enable-hisparse" in hisparse_problem(decode=True, enable_hisparse=True)
+def test_hisparse_is_refused_on_decode_with_a_draft_model_only_naming_the_flag():
+    assert hisparse_problem(decode=False, enable_hisparse=True, draft_entries=1) is None
+    assert hisparse_problem(decode=True, enable_hisparse=False, draft_entries=1) is None
+    assert hisparse_problem(decode=True, enable_hisparse=True) is None  # served
+    assert "--enable-hisparse on decode with a draft model" in hisparse_problem(
+        decode=True, enable_hisparse=True, draft_entries=1)
+
+
+@pytest.mark.usefixtures("sglang_context")
+def test_hisparses_split_devices_are_taken_each_kind_on_one_device():
+    args = kv_args_of(SGLangPool(**DSV32))
+    kv = set(args.kv_data_ptrs)
+    split = bridge_buffers(args, start_layer=0, split_devices=True,
+                           device_of=lambda ptr: "cpu" if ptr in kv else "cuda:0")
+    assert {(d.kind, d.device) for d in split.buffers.buffer_descriptors()} == {
+        ("kv", "cpu"), ("index", "cuda:0")}
+    first = min(kv)
+    with pytest.raises(ValueError, match=r"kv buffers are on \['cpu', 'cuda:1'\]"):
+        bridge_buffers(args, start_layer=0, split_devices=True,
+                       device_of=lambda ptr: "cuda:1" if ptr == first else "cpu")
 
 
 def manager(mode: str, **fields):
@@ -92,7 +108,7 @@ def manager(mode: str, **fields):
         return DSABridgeKVManager(args, DisaggregationMode(mode), server_args, True)
 
 
-def test_the_manager_registers_sglangs_cpu_pool_as_host_memory_and_refuses_hisparse_on_decode():
+def test_the_manager_registers_sglangs_cpu_pool_as_host_memory():
     decode = manager("decode")
     try:
         assert decode.pool.device == "cpu"
@@ -100,8 +116,6 @@ def test_the_manager_registers_sglangs_cpu_pool_as_host_memory_and_refuses_hispa
         assert decode.bridge.aux_devices == ["cpu"]
     finally:
         decode.shutdown()
-    with pytest.raises(ValueError, match="does not serve --enable-hisparse on decode"):
-        manager("decode", enable_hisparse=True)
 
 
 @pytest.mark.gpu

@@ -176,10 +176,8 @@ class RequestBook:
     def send_chunk(self, sender: KVSender, page_ids: object) -> None:
         pages = as_page_ids(page_ids, "page_ids")
         with self._lock:
-            if sender.state.status in TERMINAL:
+            if not self._sendable_locked(sender):
                 return
-            if sender.num_pages is None:
-                raise ValueError(f"room {sender.room}: send before init")
             if sender.shares:
                 self._reporter.fail_locked(sender, "a whole chunk after a share of the pages")
                 return
@@ -201,10 +199,8 @@ class RequestBook:
         pages = as_page_ids(page_ids, "page_ids")
         at = as_page_ids(positions, "positions")
         with self._lock:
-            if sender.state.status in TERMINAL:
+            if not self._sendable_locked(sender):
                 return
-            if sender.num_pages is None:
-                raise ValueError(f"room {sender.room}: send before init")
             problem = _share_problem(sender, pages, at, through)
             if problem:
                 self._reporter.fail_locked(sender, problem)
@@ -215,6 +211,16 @@ class RequestBook:
             if pages.size or last:
                 sender.pending.append(Chunk(0, pages, last, at))
                 self._dispatch_locked(sender)
+
+    @staticmethod
+    def _sendable_locked(sender: KVSender) -> bool:
+        """Whether ``sender`` takes chunks: False once it ended (they are dropped); ValueError
+        before its ``init``."""
+        if sender.state.status in TERMINAL:
+            return False
+        if sender.num_pages is None:
+            raise ValueError(f"room {sender.room}: send before init")
+        return True
 
     def abort(self, sender: KVSender, reason: str) -> None:
         with self._lock:

@@ -172,8 +172,9 @@ def check_pages(pages: np.ndarray, limit: int, name: str, *, first: int = PADDIN
     ordered = pages if _ascending(pages) else np.sort(pages)
     low, high = int(ordered[0]), int(ordered[-1])
     if low < first:
-        raise PlanError(f"{name} contains page {low}: page 0 is padding and ids must be >= 1"
-                        if low == PADDING_PAGE else f"{name} contains page {low} < {first}")
+        raise PlanError(f"{name} contains page {low}: " + ("page 0 is padding and ids must be >= 1"
+                                                           if first > PADDING_PAGE else
+                                                           "ids must be >= 0"))
     if high >= limit:
         raise PlanError(f"{name} contains page {high}, beyond the registered {limit} pages")
     if ordered is not pages and (ordered[1:] == ordered[:-1]).any():

@@ -95,6 +95,8 @@ def test_plans_write_each_cache_into_its_own_pages():
     assert plan.runs == 1 + 2  # one KV run, two indexer runs
     with pytest.raises(PlanError, match="dst_pages contains page 0"):
         plan_writes(pairs, [3, 4], [0, 1], [7, 9])
+    with pytest.raises(PlanError, match="dst_pages contains page -1: ids must be >= 0"):
+        plan_writes(pairs, [3, 4], [-1, 1], [7, 9], kv_page_zero=True)
     with pytest.raises(PlanError, match="index_pages contains page 0"):
         plan_writes(pairs, [3, 4], [1, 2], [0, 9], kv_page_zero=True)
     with pytest.raises(PlanError, match="index_pages has 1 pages but dst_pages has 2"):

@@ -24,8 +24,9 @@ mapping for MLA pools, byte-exact on every decode rank.
   its shard of the pages (one rank's last chunk empty);
 - ``tp2-sharded-into-tp2``: the same sharded over attention TP (sglang's shard group without CP,
   which sglang refuses for DSA pools but serves for other MLA pools) into a TP-2 decode;
-- ``cp2-page-split-into-tp1``: ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1`` on both servers:
-  each prefill CP rank writes its contiguous share of the pages.
+- ``cp2-page-split-into-tp1``: ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1`` on the prefill
+  (decode follows its registration): each prefill CP rank writes its contiguous share of the
+  pages; ``cp2-into-tp1-with-split-variable``: the variable on decode only changes nothing.
 
 The modes refused (CP-TP group sharing; CP or KV sharding on decode; a sharded prefill into
 another attention-TP width) are refused by name at start-up and, from the prefill's parallel

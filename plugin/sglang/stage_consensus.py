@@ -4,11 +4,14 @@
 stage's status of a room in sglang's ``PPConsensusStore`` on the pipeline group, as sglang's
 managers do; stage 0 gives sglang its ``verdict`` over every stage (``poll_pp_consensus``), a later
 stage's reporter thread sends its senders' statuses as they change. Without stages ``store`` stays
-None and nothing is kept.
+None and nothing is kept. Closing waits for sglang's store at most ``STORE_CLOSE_S``: its
+``close()`` terminates a zmq context, which was seen to block for good on a later stage whose
+stage 0 had already exited.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll
@@ -16,7 +19,10 @@ from sglang.srt.disaggregation.pp_consensus_store import PPConsensusStore
 
 from .failures import TERMINAL
 
+log = logging.getLogger(__name__)
+
 STAGE_REPORT_S = 0.005  # how often a later pipeline stage reports its senders' statuses to stage 0
+STORE_CLOSE_S = 5.0  # the longest the manager's shutdown waits for sglang's store to close
 
 
 class StageConsensus:
@@ -80,9 +86,18 @@ class StageConsensus:
         return min(statuses)
 
     def close(self) -> None:
-        """Stop the reporter and close the store."""
+        """Stop the reporter and close the store, waiting for it at most ``STORE_CLOSE_S`` (its
+        close then goes on in a daemon thread, which does not hold the process's exit)."""
         self._stop.set()
         if self._reporter is not None:
             self._reporter.join()
-        if self.store is not None:
-            self.store.close()
+        if self.store is None:
+            return
+        closer = threading.Thread(target=self.store.close, daemon=True,
+                                  name=f"dsa-bridge-pp{self.pp_rank}-store-close")
+        closer.start()
+        closer.join(STORE_CLOSE_S)
+        if closer.is_alive():
+            log.warning("dsa-bridge: pipeline stage %d: sglang's PPConsensusStore did not close "
+                        "within %.0fs (its zmq context's term blocked); left to a daemon thread",
+                        self.pp_rank, STORE_CLOSE_S)

@@ -509,3 +509,28 @@ def test_decode_refuses_a_prefill_it_cannot_pair_with_naming_the_flag(changes, m
             assert manager.prefill_info_table == {} and manager.decode_nodes.nodes == {}
     finally:
         server.close()
+
+
+def test_a_stages_shutdown_waits_for_sglangs_consensus_store_a_bounded_time(monkeypatch, caplog):
+    """sglang's ``PPConsensusStore.close()`` was seen blocking for good in its zmq context's term
+    on a later stage whose stage 0 had exited (a CI run's stack dump): the manager's shutdown
+    waits for it at most ``STORE_CLOSE_S``, saying so."""
+    import threading
+
+    from dsa_bridge.plugin.sglang import stage_consensus
+
+    release = threading.Event()
+
+    class StuckStore:
+        def close(self):
+            release.wait(30)
+
+    stages = stage_consensus.StageConsensus(2, 1)
+    stages.store = StuckStore()
+    monkeypatch.setattr(stage_consensus, "STORE_CLOSE_S", 0.2)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="dsa_bridge.plugin.sglang"):
+        stages.close()
+    assert time.monotonic() - started < 5
+    assert "PPConsensusStore did not close within" in caplog.text
+    release.set()

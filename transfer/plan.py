@@ -54,15 +54,14 @@ class PairTable(Sequence[BufferPair]):
         self.item_len = np.array([p.src.item_len for p in self._pairs], dtype=np.int64)
         self.src_pages = min((p.src.num_items for p in self._pairs), default=0)
         self.dst_pages = min((p.dst.num_items for p in self._pairs), default=0)
-        self._kinds: dict[bool, PairTable] = {}
+        self._split: tuple[PairTable, PairTable] | None = None
 
     def split_index(self) -> tuple[PairTable, PairTable]:
         """(the KV pairs, the indexer pairs), each a table (made once)."""
-        for index in (False, True):
-            if index not in self._kinds:
-                self._kinds[index] = PairTable(p for p in self._pairs
-                                               if (p.src.kind == INDEX_KIND) == index)
-        return self._kinds[False], self._kinds[True]
+        if self._split is None:
+            self._split = (PairTable(p for p in self._pairs if p.src.kind != INDEX_KIND),
+                           PairTable(p for p in self._pairs if p.src.kind == INDEX_KIND))
+        return self._split
 
     def __getitem__(self, index):
         return self._pairs[index]
@@ -189,14 +188,25 @@ def check_destination(pairs: Sequence[BufferPair], dst_pages: object, index_page
     dst = as_page_ids(dst_pages, "dst_pages")
     index = None if index_pages is None else as_page_ids(index_pages, "index_pages")
     kv_table, index_table = as_table(pairs).split_index()
-    if index is not None and index.size != dst.size:
-        raise PlanError(f"index_pages has {index.size} pages but dst_pages has {dst.size}")
-    if kv_table:
-        check_pages(dst, kv_table.dst_pages, "dst_pages", first=0 if kv_page_zero else 1)
-    if index_table:
-        check_pages(dst if index is None else index, index_table.dst_pages,
-                    "dst_pages" if index is None else "index_pages")
+    check_page_lists(dst, index, kv_table.dst_pages, index_table.dst_pages,
+                     kv_page_zero=kv_page_zero)
     return dst, index
+
+
+def check_page_lists(kv_pages: np.ndarray, index_pages: np.ndarray | None, kv_limit: int,
+                     index_limit: int, *, kv_page_zero: bool = False,
+                     names: tuple[str, str] = ("dst_pages", "index_pages")) -> None:
+    """A request's KV pages in ``[first, kv_limit)`` (from page 0 with ``kv_page_zero``) and its
+    indexer pages (``index_pages``, as many; None: the KV pages) in ``[1, index_limit)`` (0: no
+    indexer held), each list named as ``names`` says; PlanError otherwise."""
+    kv_name, index_name = names
+    if index_pages is not None and index_pages.size != kv_pages.size:
+        raise PlanError(f"{index_name} has {index_pages.size} pages but {kv_name} has "
+                        f"{kv_pages.size}")
+    check_pages(kv_pages, kv_limit, kv_name, first=0 if kv_page_zero else 1)
+    if index_limit:
+        check_pages(kv_pages if index_pages is None else index_pages, index_limit,
+                    kv_name if index_pages is None else index_name)
 
 
 def coalesce_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -237,8 +247,12 @@ def plan_writes(pairs: Sequence[BufferPair], src_pages: object, dst_pages: objec
     kv_table, index_table = table.split_index()
     plans = [_plan_table(kv_table, src, dst, "dst_pages", first=0 if kv_page_zero else 1),
              *([_plan_table(index_table, src, index, "index_pages")] if index_table else [])]
-    return WritePlan(*(np.concatenate([getattr(p, key) for p in plans])
-                       for key in ("src", "dst", "length")), runs=sum(p.runs for p in plans))
+    return WritePlan(*join_plans(plans), runs=sum(p.runs for p in plans))
+
+
+def join_plans(plans: Sequence[WritePlan]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (src, dst, length) arrays of one engine write of every plan, in order."""
+    return tuple(np.concatenate([getattr(p, key) for p in plans]) for key in ("src", "dst", "length"))
 
 
 def _plan_table(table: PairTable, src: np.ndarray, dst: np.ndarray, dst_name: str, *,

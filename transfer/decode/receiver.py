@@ -44,7 +44,7 @@ from ...plugin.descriptors import BufferDescriptor
 from .. import checksum, protocol
 from ..counters import Counters
 from ..handshake import BufferKey
-from ..plan import PlanError, as_page_ids, check_aux_index, check_pages
+from ..plan import PlanError, as_page_ids, check_aux_index, check_page_lists
 from ..request import TERMINAL, KVPoll, RequestHandle
 from .fence import RequestFence, RequestParts
 from .sessions import PrefillPeer
@@ -64,13 +64,8 @@ class PageLimits:
     def check(self, kv_pages: np.ndarray, index_pages: np.ndarray | None) -> None:
         """PlanError unless ``kv_pages`` fit the KV buffers and the indexer pages (``index_pages``,
         as many; None: ``kv_pages``) fit the indexer buffers."""
-        check_pages(kv_pages, self.kv, "page_ids", first=0 if self.kv_page_zero else 1)
-        if index_pages is not None and index_pages.size != kv_pages.size:
-            raise PlanError(f"index_page_ids has {index_pages.size} pages but page_ids has "
-                            f"{kv_pages.size}")
-        if self.index:
-            check_pages(kv_pages if index_pages is None else index_pages, self.index,
-                        "page_ids" if index_pages is None else "index_page_ids")
+        check_page_lists(kv_pages, index_pages, self.kv, self.index,
+                         kv_page_zero=self.kv_page_zero, names=("page_ids", "index_page_ids"))
 
 
 @dataclass(frozen=True)
@@ -118,6 +113,12 @@ class KVReceiver(RequestHandle):
     def components(self) -> list[BufferKey]:
         """Every (layer, cache) buffer this request fills, in layer order."""
         return sorted(key for p in self.peers for key in p.keys)
+
+    @property
+    def stageable(self) -> bool:
+        """Its chunks may come staged: one page list for every buffer, in the request's order
+        (not shares, whose chunks name their pages, nor two page lists)."""
+        return not self.parts.shares and self.index_page_ids is None
 
     @property
     def prefill_ready(self) -> bool:
@@ -226,7 +227,7 @@ class KVReceiver(RequestHandle):
             self._settle_locked(now)
             return False
         problem = self.parts.positions(peer.endpoint, done.positions)
-        if not problem and done.slices and (self.parts.shares or self.index_page_ids is not None):
+        if not problem and done.slices and not self.stageable:
             problem = (f"prefill {peer.endpoint} staged a chunk of a request of shares or of two "
                        "page lists, which decode cannot scatter")
         if problem:  # later chunks may still be written: held until every prefill confirms

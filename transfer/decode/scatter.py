@@ -87,8 +87,7 @@ class SliceScatter:
             self._queue_locked((peer, None, written))  # nothing to scatter: the slice to free
             return
         pages = receiver.page_ids.size if receiver.page_ids is not None else 0
-        if receiver.parts.shares or receiver.index_page_ids is not None:  # never staged: a
-            # share's pages are named by its chunk; a slice scatters into one page list
+        if not receiver.stageable:
             raise protocol.ProtocolError(f"room {written.room}: a staged slice from prefill "
                                          f"{peer.endpoint} for a request of shares or of two "
                                          "page lists")

@@ -43,7 +43,7 @@ import numpy as np
 
 from .. import checksum, protocol
 from ..backends.base import BackendError, TransferBackend
-from ..plan import PairTable, PlanError, WritePlan, plan_chunk
+from ..plan import PairTable, PlanError, WritePlan, join_plans, plan_chunk
 from ..request import KVPoll
 from ..staging import DIRECT, STAGED
 from .records import Chunk, DecodeDestination, KVSender
@@ -136,11 +136,6 @@ class Outcomes(Protocol):
     """Where each job's ``Result`` goes, from the lane's thread."""
 
     def finish(self, result: Result) -> None: ...
-
-
-def join_plans(plans: Sequence[WritePlan]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The (src, dst, length) arrays of one engine write of every plan, in order."""
-    return tuple(np.concatenate([getattr(p, key) for p in plans]) for key in ("src", "dst", "length"))
 
 
 def shares(seconds: float, plans: Sequence[WritePlan]) -> list[float]:

@@ -27,6 +27,7 @@ import xxhash
 
 from ..plugin.descriptors import BufferKey
 from . import protocol
+from .plan import on_index_pages
 
 XXH3 = "xxh3_64"
 WSUM = "wsum64"
@@ -113,12 +114,13 @@ def max_chunk_pages(num_buffers: int) -> int:
 
 
 def verify_chunk(views: dict[BufferKey, torch.Tensor], request_pages: np.ndarray,
-                 sums: protocol.PageChecksums | None, *, index_pages: np.ndarray | None = None
-                 ) -> int:
+                 sums: protocol.PageChecksums | None, *, index_pages: np.ndarray | None = None,
+                 kv_on_index_pages: frozenset[int] = frozenset()) -> int:
     """Check a chunk's pages in decode's pool against the checksums prefill sent.
 
     ``request_pages`` are decode's page ids of the whole request (``index_pages`` its indexer's,
-    where they differ); the chunk covers those at ``[sums.offset, sums.offset + n)``. Returns the
+    where they differ: for the indexer buffers and the KV layers in ``kv_on_index_pages``,
+    ``plan.on_index_pages``); the chunk covers those at ``[sums.offset, sums.offset + n)``. Returns the
     number of (buffer, page) checksums verified; raises ChecksumError naming the layer, cache and
     page of the first mismatch, or what is wrong with the message."""
     if sums is None:
@@ -142,16 +144,17 @@ def verify_chunk(views: dict[BufferKey, torch.Tensor], request_pages: np.ndarray
                             f"the request's {len(request_pages)} pages")
     window = slice(sums.offset, sums.offset + count)
     pages = np.asarray(request_pages[window], dtype=np.int64)
-    pages_of = {"kv": pages, "index": pages if index_pages is None
-                else np.asarray(index_pages[window], dtype=np.int64)}
+    at_index = pages if index_pages is None else np.asarray(index_pages[window], dtype=np.int64)
+    pages_of = [at_index if on_index_pages(key, kv_on_index_pages) else pages for key in keys]
     expected = np.frombuffer(sums.values, dtype="<u8").reshape(len(keys), count)
-    actual = np.stack([page_checksums(views[key], pages_of[key[1]], sums.algorithm) for key in keys])
+    actual = np.stack([page_checksums(views[key], at, sums.algorithm)
+                       for key, at in zip(keys, pages_of, strict=True)])
     bad = np.argwhere(actual != expected)
     if bad.size:
         buffer, i = (int(x) for x in bad[0])
         layer, kind = keys[buffer]
         raise ChecksumError(f"checksum mismatch: layer {layer} {kind} cache, page "
-                            f"{int(pages_of[kind][i])} "
+                            f"{int(pages_of[buffer][i])} "
                             f"(page {sums.offset + i} of the request); {len(bad)} of "
                             f"{expected.size} checksums of the chunk differ")
     return expected.size

@@ -94,6 +94,18 @@ def check_index_reads(decode: DSALayout, reads: Iterable[int] | None) -> tuple[i
     return ids
 
 
+def check_kv_on_index_pages(decode: DSALayout, layers: Iterable[int]) -> frozenset[int]:
+    """The layers whose KV decode keeps with its indexer (``plan.on_index_pages``): each a layer
+    of its layout, none named twice; ValueError otherwise."""
+    ids = list(layers)
+    if len(set(ids)) != len(ids):
+        raise ValueError("kv_on_index_pages names a layer twice")
+    stray = [lid for lid in ids if lid not in set(decode.layer_ids)]
+    if stray:
+        raise ValueError(f"kv_on_index_pages: layer {stray[0]} is not a layer of decode's pool")
+    return frozenset(ids)
+
+
 def transfer_set(prefill: DSALayout, decode: DSALayout, index_reads: Sequence[int]) -> list[BufferKey]:
     """The (layer, kind) buffers prefill writes into decode for every request, in layer order;
     HandshakeError naming the first layer that makes the pair impossible (see module docstring)."""

@@ -47,8 +47,9 @@ class PairTable(Sequence[BufferPair]):
     """Buffer pairs, and the arrays every chunk's plan reads from them (pointers, item lengths,
     the smallest page count of either side), built once per peer instead of once per chunk."""
 
-    def __init__(self, pairs: Iterable[BufferPair]):
+    def __init__(self, pairs: Iterable[BufferPair], kv_on_index_pages: Iterable[int] = ()):
         self._pairs = tuple(pairs)
+        self.kv_on_index_pages = frozenset(kv_on_index_pages)  # decode's Hello: see on_index_pages
         self.src_ptr = np.array([p.src.ptr for p in self._pairs], dtype=np.int64)
         self.dst_ptr = np.array([p.dst.ptr for p in self._pairs], dtype=np.int64)
         self.item_len = np.array([p.src.item_len for p in self._pairs], dtype=np.int64)
@@ -57,10 +58,14 @@ class PairTable(Sequence[BufferPair]):
         self._split: tuple[PairTable, PairTable] | None = None
 
     def split_index(self) -> tuple[PairTable, PairTable]:
-        """(the KV pairs, the indexer pairs), each a table (made once)."""
+        """(the pairs addressed by a request's KV pages, those addressed by its indexer pages:
+        ``on_index_pages``), each a table (made once)."""
         if self._split is None:
-            self._split = (PairTable(p for p in self._pairs if p.src.kind != INDEX_KIND),
-                           PairTable(p for p in self._pairs if p.src.kind == INDEX_KIND))
+            def at_index(pair: BufferPair) -> bool:
+                return on_index_pages((pair.src.layer_id, pair.src.kind), self.kv_on_index_pages)
+
+            self._split = (PairTable(p for p in self._pairs if not at_index(p)),
+                           PairTable(p for p in self._pairs if at_index(p)))
         return self._split
 
     def __getitem__(self, index):
@@ -73,6 +78,15 @@ class PairTable(Sequence[BufferPair]):
         return isinstance(other, Sequence) and tuple(self) == tuple(other)
 
     __hash__ = None
+
+
+def on_index_pages(key: tuple[int, str], kv_on_index_pages: frozenset[int]) -> bool:
+    """Whether the buffer ``key`` (layer id, kind) is addressed by a request's indexer pages
+    (``index_pages``): every indexer buffer, and the KV buffers of the layers decode keeps with
+    its indexer (``kv_on_index_pages``, from its Hello: sglang's HiSparse decode holds a draft
+    model's KV on the device, in the indexer's pages, and the target's in a host pool)."""
+    layer_id, kind = key
+    return kind == INDEX_KIND or layer_id in kv_on_index_pages
 
 
 def as_table(pairs: Sequence[BufferPair]) -> PairTable:
@@ -184,7 +198,8 @@ def check_destination(pairs: Sequence[BufferPair], dst_pages: object, index_page
                       *, kv_page_zero: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     """Decode's page ids for a request, checked against every buffer it announced: its KV pages
     (from page 0 with ``kv_page_zero``), and its indexer pages (``index_pages``, as many; None:
-    the KV pages, then checked against the indexer buffers too)."""
+    the KV pages, then checked against the indexer buffers too), each against the buffers it
+    addresses (``on_index_pages``)."""
     dst = as_page_ids(dst_pages, "dst_pages")
     index = None if index_pages is None else as_page_ids(index_pages, "index_pages")
     kv_table, index_table = as_table(pairs).split_index()
@@ -228,7 +243,7 @@ def plan_writes(pairs: Sequence[BufferPair], src_pages: object, dst_pages: objec
                 index_pages: object = None, *, kv_page_zero: bool = False) -> WritePlan:
     """One write per run of consecutive pages, for every paired buffer (all layers, both caches):
     the KV buffers into ``dst_pages`` (from page 0 with ``kv_page_zero``), the indexer buffers
-    into ``index_pages`` (None: ``dst_pages`` too).
+    and the KV of decode's ``kv_on_index_pages`` into ``index_pages`` (None: ``dst_pages`` too).
 
     Raises PlanError, before producing any address, when the page lists differ in length, hold
     page 0, a page beyond either side's smallest registered buffer, or a repeated page."""

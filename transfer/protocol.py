@@ -41,7 +41,8 @@ from ..plugin.descriptors import MAX_KIND_CHARS, BufferDescriptor
 # Page shares added one optional field (ChunkDone.positions), sent only by a prefill whose
 # application writes a share of a request's pages (sglang's KV sharding, prefill CP's page split).
 # Decode's own indexer pages added two optional fields (Hello.kv_page_zero, RequestPages.
-# index_pages), set only by a decode whose application asks (sglang's HiSparse decode).
+# index_pages), set only by a decode whose application asks (sglang's HiSparse decode), and one
+# more (Hello.kv_on_index_pages) for the KV layers such a decode keeps with its indexer.
 PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # of any message; each node's sockets take less (limits.py)
 
@@ -103,6 +104,8 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     aux_buffers: Annotated[list[BufferDescriptor], msgspec.Meta(max_length=MAX_AUX_BUFFERS)] = []
     staging: StagingArea | None = None  # where prefill may stage this node's chunks (optional)
     kv_page_zero: bool = False  # its KV buffers hold no padding page: page 0 may be written
+    # the layers whose KV a request's index_pages address, as its indexer's (HiSparse's draft KV)
+    kv_on_index_pages: Annotated[list[int], msgspec.Meta(max_length=MAX_LAYERS)] = []
 
 
 class HelloAck(msgspec.Struct, frozen=True, tag="hello_ack"):

@@ -17,7 +17,9 @@ have computed it (``PrefillReady``); the application then allocates and calls ``
 Decode's own indexer pages (``init(..., index_page_ids=)``): where the application holds the
 KV and the indexer in different pools (sglang's HiSparse decode: KV in a host pool whose page 0
 is a page, ``kv_page_zero``, the indexer in the device pool), the request names both lists,
-as many pages each; prefill then writes each cache into its own pages, on the direct route.
+as many pages each; prefill then writes each cache into its own pages, on the direct route. KV
+layers the application keeps with the indexer (``kv_on_index_pages``: HiSparse's draft model
+KV, on the device) are written into the indexer's pages.
 
 A staging area (``staging_bytes``; ``scatter.SliceScatter``) is registered with the pool and
 split among the prefill nodes, each offered its share in its Hello: a prefill node may then send
@@ -54,7 +56,7 @@ import zmq
 from .. import protocol
 from ..backends.base import TransferBackend
 from ..counters import Counters
-from ..handshake import check_index_reads, pool_buffers
+from ..handshake import check_index_reads, check_kv_on_index_pages, pool_buffers
 from ..node_runtime import NodeRuntime
 from ..plan import as_aux_buffers
 from ..request import KVPoll
@@ -81,7 +83,8 @@ class DecodeNode:
                  quarantine_timeout_s: float = 600.0,
                  secret: bytes = b"", index_reads: Iterable[int] | None = None,
                  checksums: bool = False, aux_buffers=(), staging_bytes: int | None = None,
-                 slice_bytes: int | None = None, kv_page_zero: bool = False):
+                 slice_bytes: int | None = None, kv_page_zero: bool = False,
+                 kv_on_index_pages: Iterable[int] = ()):
         if not quarantine_timeout_s > 0:
             raise ValueError(f"quarantine_timeout_s must be > 0, got {quarantine_timeout_s}")
         self.pool = pool
@@ -100,8 +103,8 @@ class DecodeNode:
         self._receivers: dict[int, KVReceiver] = {}
         self.buffers = pool_buffers(pool)
         self.aux_buffers = as_aux_buffers(aux_buffers)  # (ptr, nbytes, item_len): host memory
-        limits = {kind: min((b.num_items for b in self.buffers if b.kind == kind), default=0)
-                  for kind in ("kv", "index")}
+        limits = PageLimits.of(self.buffers, kv_page_zero,
+                               check_kv_on_index_pages(self.layout, kv_on_index_pages))
         endpoints = [prefill] if isinstance(prefill, str) else list(prefill)
         self._scatter = SliceScatter(pool, self.name, self._lock, peers=len(endpoints),
                                      send=self._send,
@@ -121,7 +124,8 @@ class DecodeNode:
             self._handshaker = Handshaker(self.name, backend, self.layout, self.buffers,
                                           self.aux_buffers, self.index_reads, secret=secret,
                                           session=self.session, counters=self.counters,
-                                          socket=self._runtime.socket, kv_page_zero=kv_page_zero)
+                                          socket=self._runtime.socket, kv_page_zero=kv_page_zero,
+                                          kv_on_index_pages=limits.kv_on_index_pages)
             self.peers = [self._handshaker.connect(e, handshake_timeout_s, area)
                           for e, area in zip(endpoints, self._scatter.areas, strict=True)]
             self._stages = StageChoice(self.layout, self.peers)
@@ -130,10 +134,10 @@ class DecodeNode:
             self._runtime.close()
             raise
         self._context = ReceiverContext(self.name, self._lock, self.counters, self._loop.send,
-                                        PageLimits(limits["kv"], limits["index"], kv_page_zero),
+                                        limits,
                                         self.aux_buffers, request_timeout_s,
                                         in_flight_grace_s, quarantine_timeout_s)
-        self._verifier = ChunkVerifier(pool, self.name)
+        self._verifier = ChunkVerifier(pool, self.name, limits.kv_on_index_pages)
         self._runtime.start([peer.socket for peer in self.peers])
 
     # ---- application API -------------------------------------------------------------------

@@ -44,7 +44,7 @@ from ...plugin.descriptors import BufferDescriptor
 from .. import checksum, protocol
 from ..counters import Counters
 from ..handshake import BufferKey
-from ..plan import PlanError, as_page_ids, check_aux_index, check_page_lists
+from ..plan import PlanError, as_page_ids, check_aux_index, check_page_lists, on_index_pages
 from ..request import TERMINAL, KVPoll, RequestHandle
 from .fence import RequestFence, RequestParts
 from .sessions import PrefillPeer
@@ -54,12 +54,24 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PageLimits:
-    """The pages of this node's KV and indexer buffers (0: no indexer held), and whether its KV
-    buffers hold no padding page (page 0 is then a page)."""
+    """The pages of the buffers a request's KV pages address and of those its indexer pages
+    address (0: none; ``plan.on_index_pages``), whether its KV buffers hold no padding page
+    (page 0 is then a page), and the KV layers kept with the indexer."""
 
     kv: int
     index: int
     kv_page_zero: bool = False
+    kv_on_index_pages: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, buffers: Sequence[BufferDescriptor], kv_page_zero: bool = False,
+           kv_on_index_pages: frozenset[int] = frozenset()) -> PageLimits:
+        """The smallest page count of each page list's buffers among ``buffers``."""
+        by_list = ([b.num_items for b in buffers
+                    if on_index_pages((b.layer_id, b.kind), kv_on_index_pages) == on_index]
+                   for on_index in (False, True))
+        kv, index = (min(pages, default=0) for pages in by_list)
+        return cls(kv, index, kv_page_zero, kv_on_index_pages)
 
     def check(self, kv_pages: np.ndarray, index_pages: np.ndarray | None) -> None:
         """PlanError unless ``kv_pages`` fit the KV buffers and the indexer pages (``index_pages``,

@@ -143,9 +143,11 @@ class Handshaker:
     def __init__(self, name: str, backend: TransferBackend, layout: DSALayout,
                  buffers: Sequence[BufferDescriptor], aux_buffers: Sequence[BufferDescriptor],
                  index_reads: Sequence[int], *, secret: bytes, session: bytes, counters: Counters,
-                 socket: Callable[[int, int], zmq.Socket], kv_page_zero: bool = False):
+                 socket: Callable[[int, int], zmq.Socket], kv_page_zero: bool = False,
+                 kv_on_index_pages: Sequence[int] = ()):
         self.name = name
         self.kv_page_zero = kv_page_zero  # its KV buffers hold no padding page
+        self.kv_on_index_pages = sorted(kv_on_index_pages)  # KV layers kept with the indexer
         self.backend_name = backend.name
         self.engine_metadata = backend.metadata()
         self.layout = layout
@@ -164,7 +166,8 @@ class Handshaker:
             self.layout.layout_hash(), self.engine_metadata, buffer_infos(self.buffers),
             list(self.index_reads), nonce=os.urandom(16), sent_at=time.time(),
             session=self.session, epoch=epoch,
-            aux_buffers=self.aux_buffers, staging=staging, kv_page_zero=self.kv_page_zero)
+            aux_buffers=self.aux_buffers, staging=staging, kv_page_zero=self.kv_page_zero,
+            kv_on_index_pages=self.kv_on_index_pages)
         if self.secret:
             hello = msgspec.structs.replace(
                 hello, auth=auth.sign(self.secret, protocol.signed_bytes(hello)))

@@ -43,8 +43,9 @@ class VerifiedRequest(Protocol):
 class ChunkVerifier:
     """Verifies queued chunks in order, on its own thread, until ``close``."""
 
-    def __init__(self, pool, name: str):
+    def __init__(self, pool, name: str, kv_on_index_pages: frozenset[int] = frozenset()):
         self._pool = pool
+        self._kv_on_index_pages = kv_on_index_pages  # KV layers at a request's indexer pages
         self._views: dict | None = None  # made on first use: a node without checksums needs none
         self._thread = JobThread(f"{name}-verifier", self._verify)
 
@@ -67,7 +68,8 @@ class ChunkVerifier:
             pages, index_pages = request.chunk_pages(done)
             if pages.size or done.positions is None:  # (a share writer's last chunk may be empty)
                 verified = checksum.verify_chunk(self._views, pages, done.checksums,
-                                                 index_pages=index_pages)
+                                                 index_pages=index_pages,
+                                                 kv_on_index_pages=self._kv_on_index_pages)
         except checksum.ChecksumError as exc:
             problem = str(exc)
         except Exception as exc:  # a bug must fail the request, not stop the verifier

@@ -26,6 +26,7 @@ from .. import auth, protocol
 from ..handshake import (
     HandshakeError,
     check_index_reads,
+    check_kv_on_index_pages,
     check_peer,
     pair_with_peer,
     transfer_set,
@@ -66,10 +67,11 @@ class HelloResponder:
                             peer_hash=hello.layout_hash)
         try:
             reads = check_index_reads(layout, hello.index_reads)
+            kv_on_index = check_kv_on_index_pages(layout, hello.kv_on_index_pages)
         except ValueError as exc:
             raise HandshakeError(str(exc)) from None
         keys = transfer_set(self.layout, layout, reads)
-        pairs = pair_with_peer(layout, self.buffers, hello.buffers, keys)
+        pairs = PairTable(pair_with_peer(layout, self.buffers, hello.buffers, keys), kv_on_index)
         remote = [BufferDescriptor(i, AUX_KIND, a.ptr, a.nbytes, a.item_len)  # numbered here
                   for i, a in enumerate(hello.aux_buffers)]
         area = hello.staging

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import requests
@@ -59,7 +59,7 @@ class DecodeNodes:
                  engine_options: dict, secret, checksums: bool, phase_limits: PhaseLimits,
                  allocation_policy: str, attn_tp_size: int, attn_tp_rank: int, attn_dp_rank: int,
                  pp_size: int, pp_rank: int, memory_released: Callable[[], bool],
-                 kv_page_zero: bool = False):
+                 kv_page_zero: bool = False, kv_on_index_pages: Sequence[int] = ()):
         self.kv_args, self.pool, self.aux_buffers = kv_args, pool, aux_buffers
         self.backend, self.local_ip, self.engine_options = backend, local_ip, engine_options
         self.secret, self.checksums, self.phase_limits = secret, checksums, phase_limits
@@ -68,6 +68,7 @@ class DecodeNodes:
         self.attn_dp_rank = attn_dp_rank
         self.pp_size, self.pp_rank = pp_size, pp_rank
         self.kv_page_zero = kv_page_zero  # the KV in a pool without a padding page (HiSparse)
+        self.kv_on_index_pages = kv_on_index_pages  # KV layers at the indexer's pages (its draft)
         self.memory_released = memory_released
         self.clock = time.monotonic  # the backoff's clock
         self._lock = threading.Lock()
@@ -276,7 +277,8 @@ class DecodeNodes:
                               quarantine_timeout_s=QUARANTINE_TIMEOUT_S,
                               aux_buffers=self.aux_buffers, secret=self.secret,
                               checksums=self.checksums, staging_bytes=STAGING_BYTES,
-                              kv_page_zero=self.kv_page_zero)
+                              kv_page_zero=self.kv_page_zero,
+                              kv_on_index_pages=self.kv_on_index_pages)
         except BaseException:
             backend.close()  # (a node that failed closes it too: idempotent)
             raise

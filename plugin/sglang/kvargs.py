@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from ...transfer.plan import on_index_pages
 from ..descriptors import BufferSet
 from ..layout import DSALayout
 
@@ -53,6 +54,7 @@ class BridgeBuffers:
     kv_layer_ids: list[int]
     aux: list[tuple[int, int, int]]  # (ptr, nbytes, item_len) of each aux buffer, in order
     aux_devices: list[str]  # where each aux buffer is ("cpu" or "cuda:N")
+    draft_layer_ids: list[int]  # the draft (MTP) pool's entries' layer ids (the last entries)
 
     @property
     def layout(self) -> DSALayout:
@@ -120,24 +122,29 @@ def bridge_buffers(args, *, start_layer: int, stages: int = 1,
                    split_devices: bool = False) -> BridgeBuffers:
     """One rank's ``KVArgs`` as validated dsa-bridge buffers, each registered as ``device_of`` its
     pointer ("cpu" or "cuda:N", ``memory_kinds``); ValueError naming what does not fit, and for a
-    pool whose KV and indexer buffers are not all on one device (``split_devices``, sglang's
-    HiSparse decode: the KV on one device and the indexer on one, maybe another)."""
+    pool whose buffers are not all on one device. ``split_devices`` (sglang's HiSparse decode):
+    the target's KV on one device (its host pool), and the indexer with the draft pool's KV on
+    one, maybe another (its device pools)."""
     problem = dsa_problem(args)
     if problem:
         raise ValueError(problem)
     ids = derive_layer_ids(args, start_layer=start_layer, stages=stages)
+    draft = ids[len(ids) - int(getattr(args, "num_draft_entries", 0) or 0):]
     layout = derive_layout(args, ids)
     found = BufferSet.from_buf_infos(
         layout, (args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens), ids,
         (args.state_data_ptrs[0], args.state_data_lens[0], args.state_item_lens[0]), ids)
     descs = [msgspec.structs.replace(d, device=device_of(d.ptr))
              for d in found.buffer_descriptors()]
-    for kinds in (("kv",), ("index",)) if split_devices else (("kv", "index"),):
-        devices = sorted({d.device for d in descs if d.kind in kinds})
+    groups = ({"target KV buffers": False, "indexer and draft KV buffers": True}
+              if split_devices else {"KV and indexer buffers": None})
+    for what, with_indexer in groups.items():
+        devices = sorted({d.device for d in descs if with_indexer is None
+                          or on_index_pages((d.layer_id, d.kind), frozenset(draft)) == with_indexer})
         if len(devices) > 1:
-            what = "KV and indexer buffers" if len(kinds) == 2 else f"{kinds[0]} buffers"
             raise ValueError(f"the pool's {what} are on {devices}: dsa-bridge moves a pool held on "
                              "one device")
     aux = list(zip(getattr(args, "aux_data_ptrs", None) or [], getattr(args, "aux_data_lens", None) or [],
                    getattr(args, "aux_item_lens", None) or [], strict=True))
-    return BridgeBuffers(BufferSet(layout, descs), ids, aux, [device_of(ptr) for ptr, _, _ in aux])
+    return BridgeBuffers(BufferSet(layout, descs), ids, aux, [device_of(ptr) for ptr, _, _ in aux],
+                         draft)

@@ -55,11 +55,13 @@ and decode refuses a prefill of the other one.
 
 Each buffer is registered as the memory its pointer is (``memory_kinds``). sglang's HiSparse decode
 (``hisparse``) holds the KV in a host pool without a padding page and the indexer in its device
-pool: the nodes take both, and each request names both page lists (``receiver.py``); with a
-draft model it is refused at start-up. sglang's memory saver releases the cache through
-``deregister_buffer_to_engine`` (running requests fail, the cache leaves the engines first) and
-resumes it through ``register_buffer_to_engine``. sglang's runtime role switch tears the manager
-down (``teardown``: as ``shutdown``) and makes the other role's over the same pool.
+pool: the nodes take both, and each request names both page lists (``receiver.py``); a draft
+model's KV stays on the device, in the indexer's pages (``kv_on_index_pages``), on Mooncake (over
+NIXL it is refused at start-up, as sglang's decode refuses it). sglang's memory saver releases
+the cache through ``deregister_buffer_to_engine`` (running requests fail, the cache leaves the
+engines first) and resumes it through ``register_buffer_to_engine``. sglang's runtime role
+switch tears the manager down (``teardown``: as ``shutdown``) and makes the other role's over the
+same pool.
 
 sglang's deferred decode release (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``, on by
 default) is answered by dsa-bridge's fence: the manager supports it, ``register_deferred_abort_room``
@@ -185,7 +187,7 @@ class DSABridgeKVManager(BaseKVManager):
         # its device pool, each at its own pages
         self.hisparse = not prefill and bool(get_memory().enable_hisparse)
         problem = hisparse_problem(not prefill, self.hisparse,
-                                   int(getattr(args, "num_draft_entries", 0) or 0))
+                                   int(getattr(args, "num_draft_entries", 0) or 0), self.backend)
         if problem:
             raise ValueError(problem)
         info = pointer_info(_cuda())  # each buffer registered as the memory its pointer is
@@ -216,6 +218,7 @@ class DSABridgeKVManager(BaseKVManager):
             allocation_policy=self.allocation_policy, attn_tp_size=self.attn_tp_size,
             attn_tp_rank=self.attn_tp_rank, attn_dp_rank=self.attn_dp_rank, pp_size=self.pp_size,
             kv_page_zero=self.hisparse,
+            kv_on_index_pages=self.bridge.draft_layer_ids if self.hisparse else (),
             pp_rank=self.pp_rank, memory_released=lambda: self.memory_released)
         self.deferred_release = DeferredRelease(self.decode_nodes)  # decode: sglang's held pages
         self.early_sends = EarlySendDispatcher(  # chunks held until sglang's forward wrote them

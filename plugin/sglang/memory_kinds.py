@@ -1,5 +1,5 @@
 """What memory each of sglang's buffers is (host, pinned host, GPU), from its pointer, and the pools
-dsa-bridge refuses for their memory (HiSparse on decode with a draft model).
+dsa-bridge refuses for their memory (HiSparse on decode with a draft model, over NIXL).
 
 sglang does not say reliably what its ``KVArgs`` pointers are: with ``--enable-hisparse`` the
 decode KV pointers are host memory (decode.py ``_init_kv_manager``: the HiSparse coordinator's
@@ -14,7 +14,7 @@ each buffer is read from its pointer:
   ordinal) where CUDA is present, else a lookup answering ``None`` for every pointer (on a
   machine without CUDA every pointer is host memory);
 - ``hisparse_problem``: why a decode rank with HiSparse is refused at start-up (with a draft
-  model's KV, whose pages sglang sends apart), naming the flag.
+  model over NIXL, which sglang's own decode refuses), naming the flag.
 
 A kind's ``device`` is what dsa-bridge registers with the engine: "cpu" for host and pinned host
 memory, "cuda:N" for GPU memory.
@@ -98,14 +98,16 @@ def pointer_info(cuda: bool) -> Callable[[int], PointerInfo | None]:
     return lookup
 
 
-def hisparse_problem(decode: bool, enable_hisparse: bool, draft_entries: int = 0) -> str | None:
+def hisparse_problem(decode: bool, enable_hisparse: bool, draft_entries: int = 0,
+                     backend: str = "mooncake") -> str | None:
     """Why this rank cannot run dsa-bridge's transfer with HiSparse; None when it can. Served:
     HiSparse on decode, the KV received into its host pool and the indexer into its device pool,
-    each at its own pages. Refused: with a draft model (MTP), whose KV sglang keeps on the device
-    and sends its pages apart (``device_kv_indices``)."""
-    if decode and enable_hisparse and draft_entries:
-        return ("dsa-bridge does not serve --enable-hisparse on decode with a draft model (MTP): "
-                "sglang then sends the draft KV's device pages apart from the host pool's "
-                "(remove --enable-hisparse or the draft model from the decode server, or run "
-                "both servers without SGLANG_PLUGINS=dsa_bridge: sglang's own connector)")
+    each at its own pages; with a draft model (MTP), the draft's KV into the device pool's pages
+    beside the indexer (``device_kv_indices``), on Mooncake. Refused: a draft model on NIXL,
+    which sglang's own decode refuses on its first request (NotImplementedError, decode.py)."""
+    if decode and enable_hisparse and draft_entries and backend != "mooncake":
+        return (f"--enable-hisparse on decode with a draft model (MTP) over {backend}: sglang's "
+                "decode sends the draft KV's device pages on the Mooncake backend only and "
+                "raises NotImplementedError on the first request otherwise (use "
+                "--disaggregation-transfer-backend mooncake on both servers)")
     return None

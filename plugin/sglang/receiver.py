@@ -2,8 +2,10 @@
 
 ``DSABridgeKVReceiver``: ``init(prefill_dp_rank)`` (connects to that prefill; a refused
 handshake fails the request, with the reason), ``send_metadata(kv_indices, aux_index,
-state_indices, decode_prefix_len, destination)`` (the pages after decode's radix-cache
-prefix, which prefill then skips; a refused call tells prefill at once), ``poll()``
+state_indices, decode_prefix_len, destination, device_kv_indices)`` (the pages after decode's
+radix-cache prefix, which prefill then skips; under HiSparse the DSA state indices are the
+indexer's own pages, and with a draft model ``device_kv_indices``, equal to them, the draft
+KV's; a refused call tells prefill at once), ``poll()``
 (Failed, with the reason, once its prefill is refused), ``failure_exception()`` (sglang's
 ``KVTransferError``; a checksum failure in sglang's words, "KV checksum mismatch"),
 ``abort()``, ``ensure_abort_notified()``, ``clear()``. With sglang's ``prefill_complete`` policy it
@@ -123,9 +125,8 @@ class DSABridgeKVReceiver(BaseKVReceiver):
             if prefix % page_size
             else f"destination {destination} is not supported (device only)"
             if destination != KVTransferDestination.DEVICE
-            else "device_kv_indices (a draft model's pages under HiSparse) are not served"
-            if device_kv_indices is not None
-            else self._state_problem(state_indices, pages))
+            else self._state_problem(state_indices, pages)
+            or self._device_kv_problem(device_kv_indices, state_indices))
         if problem:
             self._fail(problem)  # prefill's sender is told at once (it fails, not times out)
             return
@@ -150,6 +151,27 @@ class DSABridgeKVReceiver(BaseKVReceiver):
             return None if given is not None else (
                 "HiSparse decode without the DSA state indices (the indexer's own pages)")
         return state_problem(state_indices, pages) if state_indices is not None else None
+
+    def _device_kv_problem(self, device_kv_indices, state_indices) -> str | None:
+        """Why sglang's ``device_kv_indices`` cannot be taken. Under HiSparse with a draft model
+        they are the draft KV's device pages, which sglang allocates as the indexer's (its
+        logical pages, the DSA state indices): dsa-bridge writes the draft's KV at the indexer's
+        pages (``kv_on_index_pages``), so they must be given and equal those. Otherwise sglang
+        sends none."""
+        draft_on_device = self.kv_mgr.hisparse and bool(self.kv_mgr.bridge.draft_layer_ids)
+        if device_kv_indices is None:
+            return ("HiSparse decode with a draft model without device_kv_indices (the draft "
+                    "KV's device pages)") if draft_on_device else None
+        if not draft_on_device:
+            return ("device_kv_indices given, but this decode keeps no KV on the device apart "
+                    "(HiSparse with a draft model)")
+        device = np.asarray(device_kv_indices, dtype=np.int64).ravel()
+        index = np.asarray(state_indices[0], dtype=np.int64).ravel()
+        if not np.array_equal(device, index):
+            return (f"device_kv_indices ({device.size} pages) differ from the DSA state indices "
+                    f"({index.size} pages): dsa-bridge writes a draft model's KV at the "
+                    "indexer's pages, as sglang allocates them with --disable-radix-cache")
+        return None
 
     def _index_pages(self, state_indices) -> np.ndarray | None:
         """The indexer's own pages under HiSparse (its device pool's, beside the host pool's KV

@@ -6,8 +6,10 @@ its own process: ``python -m tests.sglang.hisparse_rank ROLE CONFIGS_JSON`` (``p
 manager from sglang's own ``DecodePreallocQueue._init_kv_manager`` (which registers the host pool's
 KV and the device pool's indexer), then the receiver's calls: ``init``, ``send_metadata`` with the
 host pool's pages as the KV pages (host page 0 among them: that pool has no padding page) and the
-indexer's own pages as the DSA state indices. The KV and the indexer are compared with what
-prefill wrote, each at its own pages, and the rest of both pools with the sentinel.
+indexer's own pages as the DSA state indices (with ``draft_layers``, a draft model's pool, sglang's
+own DSA pool on the device, and its pages as ``device_kv_indices``: the indexer's, or
+``device_pages``). The KV and the indexer are compared with what prefill wrote, each at its own
+pages, and the rest of every pool with the sentinel.
 """
 
 from __future__ import annotations
@@ -55,38 +57,47 @@ def run_decode(cfg: dict, server_args) -> dict:
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     device, host = pools(cfg)
+    draft = pd_rank.make_draft_pool(cfg)  # a draft model's pool: on the device, logical pages
     metadata = pd_rank.metadata_buffers()
-    got = views(device, host)
+    got = {**views(device, host), **pd_rank.draft_views(draft, cfg)}
     for view in [*got.values(), *pd_rank.aux_views(metadata)]:
         view.fill_(pd_rank.SENTINEL)
-    stand_in = pd_rank.scheduler_stand_in(cfg, server_args, device, metadata)
+    stand_in = pd_rank.scheduler_stand_in(cfg, server_args, device, metadata, draft)
     stand_in.scheduler.enable_hisparse = True
     stand_in.scheduler.hisparse_coordinator = SimpleNamespace(mem_pool_host=host)
     manager = DecodePreallocQueue._init_kv_manager(stand_in)
     addr = f"127.0.0.1:{cfg['port']}"
     receiver = get_kv_class(TransferBackend(cfg["engine"]), KVClassType.RECEIVER)(
         mgr=manager, bootstrap_addr=addr, bootstrap_room=cfg["room"])
+    kv_pages, index_pages = cfg["host_pages"], cfg["dst_pages"]
+
+    def pages_of(key: str) -> list[int]:  # the target's KV in the host pool, the rest on device
+        kind, layer = key.split(":")
+        return kv_pages if kind == "kv" and int(layer) < cfg["model_layers"] else index_pages
+
     try:
         wait_for(lambda: manager.try_ensure_parallel_info(addr), 180, "prefill parallel info")
         receiver.init(0)
         wait_for(lambda: receiver.poll() != KVPoll.Bootstrapping, 30, "decode bootstrap")
-        kv_pages, index_pages = cfg["host_pages"], cfg["dst_pages"]
-        receiver.send_metadata(kv_pages, cfg["dst_aux"], [index_pages], decode_prefix_len=0)
+        # sglang's prealloc queue: with a draft model, the draft KV's device pages beside
+        device_pages = cfg.get("device_pages", index_pages) if draft is not None else None
+        receiver.send_metadata(kv_pages, cfg["dst_aux"], [index_pages], decode_prefix_len=0,
+                               device_kv_indices=device_pages)
         wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), 60, "decode end")
         result = {"poll": int(receiver.poll()), "reason": pd_rank.reason_of(receiver),
-                  "nbytes": receiver._receiver.nbytes,
+                  "nbytes": receiver._receiver.nbytes, "buffers": sorted(got),
                   "aux_bytes": sum(view.shape[1] for view in pd_rank.aux_views(metadata))}
         want_pool, want_meta = pd_rank.make_pool(cfg, bridge=False), pd_rank.metadata_buffers()
-        pd_rank.fill_pool(want_pool, cfg["seed"])
+        want_draft = pd_rank.make_draft_pool(cfg)
+        pd_rank.fill_pool(want_pool, cfg["seed"], pd_rank.draft_views(want_draft, cfg))
         pd_rank.fill(pd_rank.aux_views(want_meta), seed=cfg["seed"] + 1)
-        want, src = pd_rank.views(want_pool), cfg["src_pages"]
+        want, src = {**pd_rank.views(want_pool), **pd_rank.draft_views(want_draft, cfg)}, cfg["src_pages"]
         result["mismatched"] = [key for key, view in got.items()
-                                if not bool((view[kv_pages if key.startswith("kv") else index_pages]
-                                             == want[key][src]).all())]
+                                if not bool((view[pages_of(key)] == want[key][src]).all())]
         result["others_sentinel"] = all(
-            bool((view[[p for p in range(view.shape[0])
-                        if p not in (kv_pages if key.startswith("kv") else index_pages)]]
+            bool((view[[p for p in range(view.shape[0]) if p not in pages_of(key)]]
                   == pd_rank.SENTINEL).all()) for key, view in got.items())
+        result["untouched"] = all(bool((view == pd_rank.SENTINEL).all()) for view in got.values())
         result["aux_exact"] = all(bool((g[cfg["dst_aux"]] == w[cfg["src_aux"]]).all())
                                   for g, w in zip(pd_rank.aux_views(metadata),
                                                   pd_rank.aux_views(want_meta), strict=True))

@@ -61,17 +61,35 @@ def make_pool(cfg: dict, bridge: bool):
     return (BridgeDSATokenToKVPool if bridge else DSATokenToKVPool)(**pool_kwargs(cfg))
 
 
-def views(pool) -> dict[str, object]:
-    """Every non-empty buffer as uint8 pages: ``kv:L`` and ``index:L`` by global layer id."""
+def make_draft_pool(cfg: dict):
+    """The draft model's (MTP) pool of ``draft_layers`` layers, sglang's own DSA pool as its
+    draft worker builds one beside the target's; None without ``draft_layers``."""
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    if not cfg.get("draft_layers"):
+        return None
+    return DSATokenToKVPool(**{**pool_kwargs(cfg), "layer_num": cfg["draft_layers"],
+                               "start_layer": 0, "skip_topk_layers": None})
+
+
+def views(pool, first_layer: int | None = None) -> dict[str, object]:
+    """Every non-empty buffer as uint8 pages: ``kv:L`` and ``index:L`` by global layer id (the
+    pool's from ``first_layer``, by default its ``start_layer``)."""
     import torch
 
+    first = pool.start_layer if first_layer is None else first_layer
     out = {}
     for i, buf in enumerate(pool.kv_buffer):
-        out[f"kv:{pool.start_layer + i}"] = buf.view(torch.uint8).reshape(-1, 64 * buf.shape[-1])
+        out[f"kv:{first + i}"] = buf.view(torch.uint8).reshape(-1, 64 * buf.shape[-1])
     for i, buf in enumerate(pool.index_k_with_scale_buffer):
         if buf.numel():
-            out[f"index:{pool.start_layer + i}"] = buf.view(torch.uint8)
+            out[f"index:{first + i}"] = buf.view(torch.uint8)
     return out
+
+
+def draft_views(draft, cfg: dict) -> dict[str, object]:
+    """The draft pool's buffers by the ids sglang's KVArgs give them: after the model's layers."""
+    return {} if draft is None else views(draft, cfg["model_layers"])
 
 
 def aux_views(metadata) -> list:
@@ -91,10 +109,11 @@ def fill(tensors, seed: int) -> None:
         t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
 
 
-def fill_pool(pool, seed: int) -> None:
+def fill_pool(pool, seed: int, extra_views: dict | None = None) -> None:
     """Each buffer's bytes a function of (seed, layer id, kind) only, so a pipeline stage's pool
-    and a whole-model pool hold the same bytes for the same layer."""
-    for key, view in views(pool).items():
+    and a whole-model pool hold the same bytes for the same layer (and ``extra_views``: a draft
+    pool's)."""
+    for key, view in {**views(pool), **(extra_views or {})}.items():
         kind, layer = key.split(":")
         fill([view], seed * 1000 + int(layer) * 2 + (kind == "index"))
 
@@ -107,7 +126,7 @@ def metadata_buffers():
                            max_sampling_mask_tokens=16)
 
 
-def scheduler_stand_in(cfg: dict, server_args, pool, metadata):
+def scheduler_stand_in(cfg: dict, server_args, pool, metadata, draft=None):
     """The scheduler attributes sglang's ``_init_kv_manager`` reads, around sglang's own objects."""
     from sglang.srt.disaggregation.utils import TransferBackend, is_mla_backend
 
@@ -117,7 +136,7 @@ def scheduler_stand_in(cfg: dict, server_args, pool, metadata):
         model_config=SimpleNamespace(num_hidden_layers=cfg["model_layers"], hf_text_config=None))
     return SimpleNamespace(
         transfer_backend=TransferBackend(cfg["engine"]), tp_rank=0, pp_rank=0, scheduler=scheduler,
-        token_to_kv_pool=pool, draft_token_to_kv_pool=None, is_mla_backend=is_mla_backend(pool),
+        token_to_kv_pool=pool, draft_token_to_kv_pool=draft, is_mla_backend=is_mla_backend(pool),
         metadata_buffers=metadata, enable_staging=False)
 
 
@@ -186,12 +205,14 @@ def run_prefill(cfg: dict, server_args, groups=None) -> dict:
         host="127.0.0.1", port=cfg["port"])
               if cfg.get("pp_rank", 0) == 0 else None)  # one server per prefill (sglang's main process)
     pool, metadata = make_pool(cfg, bridge=cfg.get("bridge_pool", False)), metadata_buffers()
-    stand_in = scheduler_stand_in(cfg, server_args, pool, metadata)
+    draft = make_draft_pool(cfg)
+    stand_in = scheduler_stand_in(cfg, server_args, pool, metadata, draft)
     stand_in.pp_rank = cfg.get("pp_rank", 0)
     with faulty_engine(cfg.get("fault")):
         manager = prefill_manager(stand_in)
     try:
-        return {"server": type(server).__qualname__, **prefill_request(cfg, manager, pool, metadata, groups)}
+        return {"server": type(server).__qualname__,
+                **prefill_request(cfg, manager, pool, metadata, groups, draft=draft)}
     finally:
         manager.shutdown()
         close(server)
@@ -204,9 +225,9 @@ def prefill_manager(stand_in):
     return PrefillBootstrapQueue._init_kv_manager(stand_in)
 
 
-def prefill_request(cfg: dict, manager, pool, metadata, groups=None) -> dict:
+def prefill_request(cfg: dict, manager, pool, metadata, groups=None, draft=None) -> dict:
     """One request through ``manager``, as sglang's prefill queues make their calls (module
-    docstring); what prefill saw."""
+    docstring); what prefill saw. ``draft``: the draft model's pool, filled by the forward too."""
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
@@ -239,7 +260,7 @@ def prefill_request(cfg: dict, manager, pool, metadata, groups=None) -> dict:
     result["decode_prefix_len"] = prefix
     src = cfg["src_pages"][prefix // 64:]  # the pages after decode's radix-cache prefix
     sender.init(len(src), cfg["src_aux"])
-    fill_pool(pool, cfg["seed"])  # the forward pass writes the cache...
+    fill_pool(pool, cfg["seed"], draft_views(draft, cfg))  # the forward pass writes the cache...
     fill(aux_views(metadata), seed=cfg["seed"] + 1)  # ...and the first token's metadata
     half = len(src) // 2
     sender.send(src[:half], None)
@@ -288,11 +309,12 @@ def close(server) -> None:
 
 def run_decode(cfg: dict, server_args) -> dict:
     pool, metadata = make_pool(cfg, bridge=cfg.get("bridge_pool", True)), metadata_buffers()
-    stand_in = scheduler_stand_in(cfg, server_args, pool, metadata)
+    draft = make_draft_pool(cfg)
+    stand_in = scheduler_stand_in(cfg, server_args, pool, metadata, draft)
     stand_in.pp_rank = cfg.get("pp_rank", 0)
     manager = decode_manager(stand_in)
     try:
-        return decode_request(cfg, manager, pool, metadata)
+        return decode_request(cfg, manager, pool, metadata, draft)
     finally:
         manager.shutdown()
 
@@ -304,13 +326,14 @@ def decode_manager(stand_in):
     return DecodePreallocQueue._init_kv_manager(stand_in)
 
 
-def decode_request(cfg: dict, manager, pool, metadata) -> dict:
-    """One request through ``manager`` into a pool at the sentinel, as sglang's decode queues
-    make their calls (module docstring); what decode saw and holds."""
+def decode_request(cfg: dict, manager, pool, metadata, draft=None) -> dict:
+    """One request through ``manager`` into a pool (and ``draft``, the draft model's) at the
+    sentinel, as sglang's decode queues make their calls (module docstring); what decode saw and
+    holds."""
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
-    for view in [*views(pool).values(), *aux_views(metadata)]:
+    for view in [*views(pool).values(), *draft_views(draft, cfg).values(), *aux_views(metadata)]:
         view.fill_(SENTINEL)
     addr = f"127.0.0.1:{cfg['port']}"
     receiver = get_kv_class(TransferBackend(cfg["engine"]), KVClassType.RECEIVER)(
@@ -333,21 +356,23 @@ def decode_request(cfg: dict, manager, pool, metadata) -> dict:
     result["poll"] = int(receiver.poll())
     if receiver.poll() == KVPoll.Failed:
         result["reason"] = reason_of(receiver)
-    result.update(compare(cfg, pool, metadata, receiver))
+    result.update(compare(cfg, pool, metadata, receiver, draft))
     receiver.clear()
     return result
 
 
-def compare(cfg: dict, pool, metadata, receiver) -> dict:
-    """Decode's pool and aux buffers against what prefill wrote (the same seeds), and the
-    request's byte count."""
+def compare(cfg: dict, pool, metadata, receiver, draft=None) -> dict:
+    """Decode's pool (and draft pool) and aux buffers against what prefill wrote (the same
+    seeds), and the request's byte count."""
     result = {}
     skip = cfg.get("prefix_tokens", 0) // 64  # decode's radix-cache prefix: not sent, untouched
     dst, src = cfg["dst_pages"][skip:], cfg["src_pages"][skip:]
     expected_pool, expected_meta = make_pool(cfg, bridge=False), metadata_buffers()
-    fill_pool(expected_pool, cfg["seed"])
+    expected_draft = make_draft_pool(cfg)
+    fill_pool(expected_pool, cfg["seed"], draft_views(expected_draft, cfg))
     fill(aux_views(expected_meta), seed=cfg["seed"] + 1)
-    got, want = views(pool), views(expected_pool)
+    got = {**views(pool), **draft_views(draft, cfg)}
+    want = {**views(expected_pool), **draft_views(expected_draft, cfg)}
     others = [p for p in range(1, cfg["pages"] + 1) if p not in dst]
     result["buffers"] = sorted(got)
     result["mismatched"] = [k for k in got if not bool((got[k][dst] == want[k][src]).all())]

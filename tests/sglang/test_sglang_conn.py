@@ -318,6 +318,8 @@ def config(engine: str, model: dict, **extra) -> dict:
 
 MODELS = {
     "deepseek-v3.2": {"layers": 4, "model_layers": 4, "kv_cache_dim": 656},
+    # with a draft model (MTP): sglang appends its pool's KV and indexer entries to the target's
+    "deepseek-v3.2-mtp": {"layers": 4, "model_layers": 4, "kv_cache_dim": 656, "draft_layers": 1},
     "glm-5.2-uniform": {"layers": 8, "model_layers": 8, "kv_cache_dim": 576},
     "glm-5.2-compact": {"layers": 8, "model_layers": 8, "kv_cache_dim": 576, "skip": GLM_SKIP},
 }
@@ -326,7 +328,7 @@ MODELS = {
 @pytest.fixture(scope="module")
 def transfers():
     """engine -> {model: (config, prefill result, decode result)}: one process pair per engine
-    runs the three models in turn (sglang's import costs most of a rank's start)."""
+    runs the models in turn (sglang's import costs most of a rank's start)."""
     done = {}
 
     def run(engine: str) -> dict:
@@ -350,8 +352,10 @@ def test_prefill_to_decode_in_two_processes_byte_exact(transfers, engine, model)
         ("DSABridgeKVBootstrapServer", "DSABridgeKVSender", "DSABridgeKVReceiver")
     assert prefill["kv_layer_ids"] == [] and prefill["state_layer_ids"] == [[]]  # sglang named none
     assert decode["poll"] == prefill["poll"] == 4  # Success on both sides
-    layers = MODELS[model]["layers"]
-    index_layers = [i for i in range(layers) if not (MODELS[model].get("skip") or [False] * layers)[i]]
+    target = MODELS[model]["layers"]
+    layers = target + MODELS[model].get("draft_layers", 0)  # the draft's: the next ids
+    skip = (MODELS[model].get("skip") or [False] * target) + [False] * (layers - target)
+    index_layers = [i for i in range(layers) if not skip[i]]
     held = [f"kv:{i}" for i in range(layers)] + [f"index:{i}" for i in index_layers]
     assert decode["buffers"] == sorted(held)
     assert decode["mismatched"] == [] and decode["others_sentinel"]

@@ -1,11 +1,12 @@
 """Each of sglang's buffers registered as the memory it is (``plugin/sglang/memory_kinds.py``), and
-HiSparse refused on decode at start-up.
+HiSparse with a draft model refused on decode at start-up over NIXL.
 
 On the CPU: the decision from the CUDA driver's answers (host, pinned host, GPU N; managed and
 unknown memory refused), every pointer host memory without CUDA, ``bridge_buffers`` registering
 each KV, indexer and aux buffer as its pointer's device (a pool split over devices refused), the
-aux buffers' devices reaching the engine's descriptors, and dsa-bridge's manager over sglang's own
-pool registering "cpu" here and refusing ``--enable-hisparse`` on decode, naming the flag. On a
+aux buffers' devices reaching the engine's descriptors (HiSparse's: the target's KV on one, the
+indexer and a draft model's KV on another), dsa-bridge's manager over sglang's own pool
+registering "cpu" here, and HiSparse with a draft model over NIXL refused, naming the flag. On a
 GPU (``gpu`` marker): the driver's answers for a device tensor, a pinned and a plain host tensor.
 """
 
@@ -78,12 +79,14 @@ def test_each_buffer_is_registered_as_the_device_of_its_pointer():
         bridge_buffers(args, start_layer=0, device_of=lambda ptr: "cpu" if ptr in kv else "cuda:0")
 
 
-def test_hisparse_is_refused_on_decode_with_a_draft_model_only_naming_the_flag():
+def test_hisparse_with_a_draft_model_is_refused_over_nixl_only_naming_the_flag():
     assert hisparse_problem(decode=False, enable_hisparse=True, draft_entries=1) is None
     assert hisparse_problem(decode=True, enable_hisparse=False, draft_entries=1) is None
     assert hisparse_problem(decode=True, enable_hisparse=True) is None  # served
-    assert "--enable-hisparse on decode with a draft model" in hisparse_problem(
-        decode=True, enable_hisparse=True, draft_entries=1)
+    assert hisparse_problem(decode=True, enable_hisparse=True, draft_entries=1) is None  # served
+    refusal = hisparse_problem(decode=True, enable_hisparse=True, draft_entries=1, backend="nixl")
+    assert "--enable-hisparse on decode with a draft model (MTP) over nixl" in refusal
+    assert "--disaggregation-transfer-backend mooncake" in refusal
 
 
 @pytest.mark.usefixtures("sglang_context")
@@ -95,17 +98,22 @@ def test_hisparses_split_devices_are_taken_each_kind_on_one_device():
     assert {(d.kind, d.device) for d in split.buffers.buffer_descriptors()} == {
         ("kv", "cpu"), ("index", "cuda:0")}
     first = min(kv)
-    with pytest.raises(ValueError, match=r"kv buffers are on \['cpu', 'cuda:1'\]"):
+    with pytest.raises(ValueError, match=r"target KV buffers are on \['cpu', 'cuda:1'\]"):
         bridge_buffers(args, start_layer=0, split_devices=True,
                        device_of=lambda ptr: "cuda:1" if ptr == first else "cpu")
 
 
-def manager(mode: str, **fields):
+def manager(mode: str, draft_entries: int = 0, **fields):
     with published_context(disaggregation_mode=mode, disaggregation_transfer_backend="nixl",
                            **fields) as server_args:
         args = kv_args_of(SGLangPool(**DSV32))
-        args.kv_cache_dtype_str = "fp8_e4m3"
+        args.kv_cache_dtype_str, args.num_draft_entries = "fp8_e4m3", draft_entries
         return DSABridgeKVManager(args, DisaggregationMode(mode), server_args, True)
+
+
+def test_the_manager_refuses_hisparse_with_a_draft_model_over_nixl_at_start_up():
+    with pytest.raises(ValueError, match="use --disaggregation-transfer-backend mooncake"):
+        manager("decode", draft_entries=1, enable_hisparse=True, disable_radix_cache=True)
 
 
 def test_the_manager_registers_sglangs_cpu_pool_as_host_memory():
@@ -128,3 +136,21 @@ def test_the_drivers_answers_for_device_pinned_and_plain_host_memory():
     assert kind_of(device.data_ptr(), lookup(device.data_ptr())) == MemoryKind("gpu", 0)
     assert kind_of(pinned.data_ptr(), lookup(pinned.data_ptr())) == PINNED_HOST
     assert kind_of(plain.data_ptr(), lookup(plain.data_ptr())) == HOST
+
+
+@pytest.mark.usefixtures("sglang_context")
+def test_hisparses_draft_kv_is_taken_on_the_indexers_device():
+    """HiSparse with a draft model: the target's KV in host memory, the draft's KV (the last KV
+    entry) on the GPU with every indexer."""
+    args = kv_args_of(SGLangPool(**DSV32))
+    args.num_draft_entries = 1
+    host, draft = set(args.kv_data_ptrs[:-1]), args.kv_data_ptrs[-1]
+    split = bridge_buffers(args, start_layer=0, split_devices=True,
+                           device_of=lambda ptr: "cpu" if ptr in host else "cuda:0")
+    assert split.draft_layer_ids == [split.kv_layer_ids[-1]]
+    on_gpu = {(d.layer_id, d.kind) for d in split.buffers.buffer_descriptors() if d.device == "cuda:0"}
+    assert (split.draft_layer_ids[0], "kv") in on_gpu and all(
+        kind == "index" for lid, kind in on_gpu if lid not in split.draft_layer_ids)
+    with pytest.raises(ValueError, match=r"indexer and draft KV buffers are on \['cpu', 'cuda:0'\]"):
+        bridge_buffers(args, start_layer=0, split_devices=True,
+                       device_of=lambda ptr: "cpu" if ptr in {*host, draft} else "cuda:0")

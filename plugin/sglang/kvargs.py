@@ -17,8 +17,10 @@ out:
   these pools it is the pool's ``end_layer``, inclusive, and ``layer_num - 1`` by default
   whatever ``start_layer`` is;
 - the draft (MTP) pool's entries follow as the next ids (layers ``num_hidden_layers ..``, as
-  sglang's own ``_remap_draft_layer_ids`` numbers them), which is only the model's draft band
-  when the range ends at the last layer: draft entries with pipeline stages are refused;
+  sglang's own ``_remap_draft_layer_ids`` numbers them): the model's draft band, since the
+  range then ends at the last layer (with pipeline stages only the last stage runs the draft
+  and registers its pool, ``EAGLEWorkerV2._hosts_draft``; a stage that did otherwise would name
+  the next stage's first layer, and decode refuses stages that hold a layer twice);
 - the DSA state list has exactly one entry per KV entry and takes the same ids.
 
 Ids sglang does give are checked against these. The geometry comes from the item lengths
@@ -79,15 +81,12 @@ def dsa_problem(args) -> str | None:
     return None
 
 
-def derive_layer_ids(args, *, start_layer: int, stages: int = 1) -> list[int]:
+def derive_layer_ids(args, *, start_layer: int) -> list[int]:
     """The global layer id of every KV (and DSA state) entry of ``args`` (module docstring)."""
     total = len(args.kv_data_ptrs)
     draft = int(getattr(args, "num_draft_entries", 0) or 0)
     if not 0 <= draft < total:
         raise ValueError(f"num_draft_entries {draft} does not fit {total} KV entries")
-    if draft and stages > 1:
-        raise ValueError("draft (MTP) KV entries with pipeline stages: their global layer ids are "
-                         "not derivable from KVArgs (dsa-bridge refuses rather than guess)")
     ids = list(range(start_layer, start_layer + total))
     for name, given in (("kv_layer_ids", getattr(args, "kv_layer_ids", None)),
                         ("state_layer_ids", (getattr(args, "state_layer_ids", None) or [[]])[0])):
@@ -117,7 +116,7 @@ def derive_layout(args, layer_ids: Sequence[int]) -> DSALayout:
         index_layers=tuple(lid for lid, n in zip(layer_ids, lens, strict=True) if n))
 
 
-def bridge_buffers(args, *, start_layer: int, stages: int = 1,
+def bridge_buffers(args, *, start_layer: int,
                    device_of: Callable[[int], str] = lambda ptr: "cpu",
                    split_devices: bool = False) -> BridgeBuffers:
     """One rank's ``KVArgs`` as validated dsa-bridge buffers, each registered as ``device_of`` its
@@ -128,7 +127,7 @@ def bridge_buffers(args, *, start_layer: int, stages: int = 1,
     problem = dsa_problem(args)
     if problem:
         raise ValueError(problem)
-    ids = derive_layer_ids(args, start_layer=start_layer, stages=stages)
+    ids = derive_layer_ids(args, start_layer=start_layer)
     draft = ids[len(ids) - int(getattr(args, "num_draft_entries", 0) or 0):]
     layout = derive_layout(args, ids)
     found = BufferSet.from_buf_infos(

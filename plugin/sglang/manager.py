@@ -191,7 +191,7 @@ class DSABridgeKVManager(BaseKVManager):
         if problem:
             raise ValueError(problem)
         info = pointer_info(_cuda())  # each buffer registered as the memory its pointer is
-        self.bridge = bridge_buffers(args, start_layer=start, stages=self.pp_size,
+        self.bridge = bridge_buffers(args, start_layer=start,
                                      device_of=lambda ptr: kind_of(ptr, info(ptr)).device,
                                      split_devices=self.hisparse)
         device = self.bridge.buffers.buffer_descriptors()[0].device

@@ -181,6 +181,16 @@ def test_glm_compact_pool_and_a_pipeline_stage_keep_their_global_layer_ids():
 
 
 @pytest.mark.usefixtures("sglang_context")
+def test_a_last_pipeline_stages_draft_entries_follow_its_last_layer():
+    """With pipeline stages only the last stage runs the draft model and appends its pool's
+    entries (sglang's ``EAGLEWorkerV2._hosts_draft``): they take the ids after its range."""
+    args = kv_args_of(SGLangPool(**DSV32))
+    args.num_draft_entries = 1
+    stage = bridge_buffers(args, start_layer=58)  # target layers 58-60 of 61, then the draft's
+    assert stage.kv_layer_ids == [58, 59, 60, 61] and stage.draft_layer_ids == [61]
+
+
+@pytest.mark.usefixtures("sglang_context")
 def test_kv_args_dsa_bridge_cannot_describe_are_refused_by_name():
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
@@ -188,9 +198,9 @@ def test_kv_args_dsa_bridge_cannot_describe_are_refused_by_name():
                            qk_rope_head_dim=64, layer_num=2, device="cpu", enable_memory_saver=False)
     assert "state types none are not exactly sglang's DSA indexer state" in dsa_problem(kv_args_of(mla))
     args = kv_args_of(SGLangPool(**DSV32))
-    args.num_draft_entries = 1
-    with pytest.raises(ValueError, match="draft .MTP. KV entries with pipeline stages"):
-        bridge_buffers(args, start_layer=0, stages=2)
+    args.num_draft_entries = 4
+    with pytest.raises(ValueError, match="num_draft_entries 4 does not fit 4 KV entries"):
+        bridge_buffers(args, start_layer=0)
     args.num_draft_entries = 0
     args.kv_layer_ids = [0, 1, 2, 5]
     with pytest.raises(ValueError, match=r"kv_layer_ids \[0, 1, 2, 5\] differ"):
@@ -391,17 +401,20 @@ def test_mismatched_pd_pair_is_refused_before_any_write(refusals, name):
     assert len(prefill["refused"]) == 1 and reason in prefill["refused"][0]
 
 
-def test_pipelined_prefill_into_one_decode_stage_byte_exact():
+@pytest.mark.parametrize("draft", [0, 1])
+def test_pipelined_prefill_into_one_decode_stage_byte_exact(draft):
     """sglang's PP prefill (two stages, each its own process and rank, layers 0-1 and 2-3) into a
     one-stage decode: the bootstrap queue as sglang runs it with stages (its own
     ``poll_and_all_reduce_prefill_pp`` over gloo groups, stage 0 polling ``poll_pp_consensus``),
     stage 1 making its sender a second after decode's pages reached it; then each stage writes its
-    layers, the last one the aux slot."""
+    layers, the last one the aux slot. With a draft model (``draft``), only the last stage holds
+    its pool, as sglang runs the draft there, and writes its KV and indexer as layer 4."""
     require_engine("nixl")
-    cfg = config("nixl", MODELS["deepseek-v3.2"])
+    cfg = config("nixl", MODELS["deepseek-v3.2"], draft_layers=draft)
     dist_port = free_port()
     stages = [{**cfg, "layers": 2, "start_layer": 2 * r, "pp_size": 2, "pp_rank": r,
-               "dist_port": dist_port, "late_sender_s": 1.0} for r in range(2)]
+               "dist_port": dist_port, "late_sender_s": 1.0, "draft_layers": draft * r}
+              for r in range(2)]
     (first,), (second,), (decode,) = run_ranks([("prefill", [stages[0]]), ("prefill", [stages[1]]),
                                                ("decode", [cfg])])
     # the stages' consensus: stage 0's own status was WaitingForInput while stage 1 had no sender,
@@ -409,15 +422,17 @@ def test_pipelined_prefill_into_one_decode_stage_byte_exact():
     assert first["stages"]["held"] > 10
     assert first["stages"]["verdict"] == second["stages"]["verdict"] == 2
     assert first["stages"]["own_at_verdict"] >= 2 and second["stages"]["own_at_verdict"] >= 2
-    assert (first["layers"], second["layers"]) == ([0, 1], [2, 3])  # derived from prefill_start_layer
+    # derived from prefill_start_layer; the draft's entries after the last stage's
+    assert (first["layers"], second["layers"]) == ([0, 1], [2, 3, 4][:2 + draft])
     assert decode["poll"] == first["poll"] == second["poll"] == 4
     assert decode["stages"] == 2
+    assert ("kv:4" in decode["buffers"]) == bool(draft)
     assert decode["mismatched"] == [] and decode["others_sentinel"]
     assert decode["aux_exact"] and decode["aux_others_sentinel"]
     page_bytes = 64 * (656 + 132)
     pages = len(cfg["src_pages"])
     assert first["bytes"] == pages * page_bytes * 2  # no aux: the stage without the last layer
-    assert second["bytes"] == pages * page_bytes * 2 + decode["aux_bytes"]
+    assert second["bytes"] == pages * page_bytes * (2 + draft) + decode["aux_bytes"]
     assert decode["nbytes"] == first["bytes"] + second["bytes"]
 
 

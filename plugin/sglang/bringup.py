@@ -62,9 +62,6 @@ def bootstrap_host(serving_host: str, dist_init_addr: str | None) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(serving_host, serving_host)
 
 
-ALL_CP_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
-
-
 def cp_problems(*, prefill: bool, attn_cp_size: int, kv_sharding: bool = False,
                 cp_tp_group_sharing: bool = False) -> list[str]:
     """Why a rank refuses to start, by its context parallelism (attention CP), each reason naming
@@ -73,9 +70,9 @@ def cp_problems(*, prefill: bool, attn_cp_size: int, kv_sharding: bool = False,
     indexer (prefill CP all-gathers before writing the pool), CP rank 0 writing every request and
     the others ending it writing nothing (``dummy_cp_rank``); ``--enable-dsa-cache-layer-split``,
     each CP rank holding and writing its own layers, as pipeline stages do; and the page splits
-    (``PageShare``: ``ALL_CP_RANKS_ENV``, KV sharding), each CP rank writing its share of every
-    layer. Refused: CP-TP group sharing, CP on decode (sglang's own decode asserts CP 1) and KV
-    sharding on decode (sglang serves it on prefill only)."""
+    (``PageShare``: ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER``, KV sharding), each CP rank
+    writing its share of every layer. Refused: CP-TP group sharing, CP on decode (sglang's own
+    decode asserts CP 1) and KV sharding on decode (sglang serves it on prefill only)."""
     problems = []
     if not prefill:
         if kv_sharding:
@@ -125,8 +122,8 @@ class PageShare:
     """The share of each request's pages prefill rank ``rank`` of ``size`` writes (every layer of
     each). ``interleaved``: sglang's KV sharding, where logical page ``l`` lives on rank
     ``l % size`` as its local page ``l // size`` (sglang's page-interleave placement); else
-    prefill CP's page split (``ALL_CP_RANKS_ENV``), where every rank holds every page and writes
-    a contiguous share (``cp_page_bounds``)."""
+    prefill CP's page split (``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER``), where every
+    rank holds every page and writes a contiguous share (``cp_page_bounds``)."""
 
     rank: int
     size: int
@@ -149,7 +146,8 @@ def page_share(*, attn_cp_size: int, attn_cp_rank: int, layer_split: bool, all_c
                shard: tuple[int, int] | None) -> PageShare | None:
     """The share a prefill rank writes of each request's pages, as sglang's senders choose it:
     its KV shard (``shard``: (rank, size) in sglang's KV shard group, size above 1), else with
-    ``ALL_CP_RANKS_ENV`` and CP but no layer split its CP range; None: every page it writes."""
+    ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`` and CP but no layer split its CP range; None:
+    every page it writes."""
     if shard is not None and shard[1] > 1:
         return PageShare(*shard, interleaved=True)
     if all_cp_ranks and attn_cp_size > 1 and not layer_split:
@@ -236,9 +234,10 @@ def tp_targets(decode_tp_rank: int, decode_tp_size: int, prefill_tp_size: int) -
 def page_split(info: PrefillServerInfo) -> str:
     """Over which ranks the prefill whose parallel info is ``info`` splits each request's pages:
     "tp" (KV sharding without CP: every attention-TP rank writes its share, widths equal), "cp"
-    (its CP ranks: KV sharding with CP, or ``ALL_CP_RANKS_ENV`` on the prefill, which its
-    ``kv_layout`` says: ``mixed.layout_mark``), or "" (no split). sglang's own decode reads its
-    own ``ALL_CP_RANKS_ENV`` instead, so a decode without it would read CP rank 0 alone."""
+    (its CP ranks: KV sharding with CP, or ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`` on the
+    prefill, which its ``kv_layout`` says: ``mixed.layout_mark``), or "" (no split). sglang's own
+    decode reads its own ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`` instead, so a decode
+    without it would read CP rank 0 alone."""
     if info.attn_cp_size == 1:
         return "tp" if info.enable_kv_cache_sharding else ""
     if info.enable_dsa_cache_layer_split:

@@ -53,7 +53,6 @@ def views(device, host) -> dict[str, object]:
 
 def run_decode(cfg: dict, server_args) -> dict:
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     device, host = pools(cfg)
@@ -65,7 +64,7 @@ def run_decode(cfg: dict, server_args) -> dict:
     stand_in = pd_rank.scheduler_stand_in(cfg, server_args, device, metadata, draft)
     stand_in.scheduler.enable_hisparse = True
     stand_in.scheduler.hisparse_coordinator = SimpleNamespace(mem_pool_host=host)
-    manager = DecodePreallocQueue._init_kv_manager(stand_in)
+    manager = pd_rank.decode_manager(stand_in)
     addr = f"127.0.0.1:{cfg['port']}"
     receiver = get_kv_class(TransferBackend(cfg["engine"]), KVClassType.RECEIVER)(
         mgr=manager, bootstrap_addr=addr, bootstrap_room=cfg["room"])

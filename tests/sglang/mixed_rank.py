@@ -29,7 +29,15 @@ import requests
 
 import tests.sglang.conftest as shims  # noqa: F401  (the shims, before sglang)
 from dsa_bridge.plugin.sglang.mixed import marked_route_query
-from tests.sglang.pd_rank import close, make_pool, metadata_buffers, reason_of, scheduler_stand_in
+from tests.sglang.pd_rank import (
+    close,
+    decode_manager,
+    make_pool,
+    metadata_buffers,
+    prefill_manager,
+    reason_of,
+    scheduler_stand_in,
+)
 from tests.transfer.helpers import wait_for
 
 END_S = 30.0
@@ -55,7 +63,6 @@ def manager_class(cfg: dict):
 
 def run_prefill(cfg: dict, server_args) -> dict:
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
     from sglang.srt.runtime_context import get_parallel
 
@@ -64,8 +71,7 @@ def run_prefill(cfg: dict, server_args) -> dict:
     init_engine(cfg, manager_class(cfg))
     get_parallel().override_permanently(pp_group=None)  # one stage: sglang's manager keeps it only
     pool, metadata = make_pool(cfg, bridge=False), metadata_buffers()
-    manager = PrefillBootstrapQueue._init_kv_manager(
-        scheduler_stand_in(cfg, server_args, pool, metadata))
+    manager = prefill_manager(scheduler_stand_in(cfg, server_args, pool, metadata))
     sender = get_kv_class(backend, KVClassType.SENDER)(
         mgr=manager, bootstrap_addr=f"127.0.0.1:{cfg['port']}", bootstrap_room=cfg["room"])
     foreign = getattr(server, "foreign_decodes", None)
@@ -92,14 +98,12 @@ def run_prefill(cfg: dict, server_args) -> dict:
 
 def run_decode(cfg: dict, server_args) -> dict:
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     backend = TransferBackend(cfg["engine"])
     init_engine(cfg, manager_class(cfg))
     pool, metadata = make_pool(cfg, bridge=True), metadata_buffers()
-    manager = DecodePreallocQueue._init_kv_manager(
-        scheduler_stand_in(cfg, server_args, pool, metadata))
+    manager = decode_manager(scheduler_stand_in(cfg, server_args, pool, metadata))
     addr = f"127.0.0.1:{cfg['port']}"
     url = (f"http://{addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1"
            "&target_pp_rank=-1" + marked_route_query())  # the test's own look: not counted

@@ -23,10 +23,12 @@ from tests.sglang.pd_rank import (
     aux_views,
     close,
     compare,
+    decode_manager,
     fill,
     fill_pool,
     make_pool,
     metadata_buffers,
+    prefill_manager,
     reason_of,
     run_scenarios,
     scheduler_stand_in,
@@ -39,14 +41,12 @@ END_S = 60.0  # every wait of a scenario is bounded by this
 
 def run_prefill(cfg: dict, server_args) -> dict:
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     backend = TransferBackend(cfg["engine"])
     server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=cfg["port"])
     pool, metadata = make_pool(cfg, bridge=False), metadata_buffers()
-    manager = PrefillBootstrapQueue._init_kv_manager(
-        scheduler_stand_in(cfg, server_args, pool, metadata))
+    manager = prefill_manager(scheduler_stand_in(cfg, server_args, pool, metadata))
     result = {"node_timeout_s": manager.node.request_timeout_s}
     wait_for(lambda: Path(cfg["sync"]).exists(), 180, "decode ready")
     sender = get_kv_class(backend, KVClassType.SENDER)(
@@ -74,15 +74,13 @@ def run_prefill(cfg: dict, server_args) -> dict:
 
 def run_decode(cfg: dict, server_args) -> dict:
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     backend = TransferBackend(cfg["engine"])
     pool, metadata = make_pool(cfg, bridge=True), metadata_buffers()
     for view in [*views(pool).values(), *aux_views(metadata)]:
         view.fill_(SENTINEL)
-    manager = DecodePreallocQueue._init_kv_manager(
-        scheduler_stand_in(cfg, server_args, pool, metadata))
+    manager = decode_manager(scheduler_stand_in(cfg, server_args, pool, metadata))
     addr = f"127.0.0.1:{cfg['port']}"
     wait_for(lambda: manager.try_ensure_parallel_info(addr), 180, "prefill parallel info",
              poll_s=0.2)  # sglang asks once a second

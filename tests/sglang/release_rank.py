@@ -96,7 +96,7 @@ def queued_request(cfg: dict, server_args, group, info_wait_s: float = 180,
     (``transfer_queue``, its releases in ``released``), the receiver bootstrapped and its
     ``send_metadata`` sent, its ``DecodeRequest`` added to the queue."""
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeRequest
+    from sglang.srt.disaggregation.decode import DecodeRequest
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     pool, metadata = pd_rank.make_pool(cfg, bridge=True), pd_rank.metadata_buffers()
@@ -104,7 +104,7 @@ def queued_request(cfg: dict, server_args, group, info_wait_s: float = 180,
         view.fill_(pd_rank.SENTINEL)
     expected = pd_rank.make_pool(cfg, bridge=False)
     pd_rank.fill_pool(expected, cfg["seed"])
-    manager = DecodePreallocQueue._init_kv_manager(
+    manager = pd_rank.decode_manager(
         pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata))
     released: list[dict] = []
     queue = transfer_queue(manager, metadata, group, released)

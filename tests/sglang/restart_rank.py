@@ -20,6 +20,7 @@ from tests.sglang.pd_rank import (
     SENTINEL,
     aux_views,
     compare,
+    decode_manager,
     make_pool,
     metadata_buffers,
     reason_of,
@@ -31,14 +32,12 @@ from tests.transfer.helpers import wait_for
 
 def serve(configs: list[dict], server_args) -> list[dict]:
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     first = configs[0]
     backend = TransferBackend(first["engine"])
     pool, metadata = make_pool(first, bridge=True), metadata_buffers()
-    manager = DecodePreallocQueue._init_kv_manager(scheduler_stand_in(first, server_args, pool,
-                                                                      metadata))
+    manager = decode_manager(scheduler_stand_in(first, server_args, pool, metadata))
     addr = f"127.0.0.1:{first['port']}"
     results = []
     for cfg in configs:

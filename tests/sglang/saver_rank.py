@@ -39,7 +39,7 @@ def prefill_rank(cfg: dict, server_args) -> dict:
     backend = TransferBackend(cfg["engine"])
     server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=cfg["port"])
     pool, metadata = pd_rank.make_pool(cfg, bridge=False), pd_rank.metadata_buffers()
-    manager = PrefillBootstrapQueue._init_kv_manager(
+    manager = pd_rank.prefill_manager(
         pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata))
     queue = object.__new__(PrefillBootstrapQueue)  # what its memory-saver methods read
     queue.__dict__.update(queue=[], kv_manager=manager)
@@ -88,7 +88,7 @@ def decode_rank(cfg: dict, server_args) -> dict:
     pool, metadata = pd_rank.make_pool(cfg, bridge=True), pd_rank.metadata_buffers()
     for view in [*pd_rank.views(pool).values(), *pd_rank.aux_views(metadata)]:
         view.fill_(pd_rank.SENTINEL)
-    manager = DecodePreallocQueue._init_kv_manager(
+    manager = pd_rank.decode_manager(
         pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata))
     queue = object.__new__(DecodePreallocQueue)  # what its memory-saver methods read
     queue.__dict__.update(queue=[], retracted_queue=[], kv_manager=manager,

@@ -72,11 +72,10 @@ def gloo_world(cfg: dict):
     return dist.group.WORLD
 
 
-def prefill_manager(cfg: dict, server_args, pool=None):
+def start_prefill_rank(cfg: dict, server_args, pool=None):
     """A prefill rank's bootstrap server (TP rank 0's only), pool (sglang's ``DSATokenToKVPool``
     unless given), metadata buffers and manager (sglang's ``_init_kv_manager``; its engine faulty
     by ``fault``)."""
-    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     server = (get_kv_class(TransferBackend(cfg["engine"]), KVClassType.BOOTSTRAP_SERVER)(
@@ -84,7 +83,7 @@ def prefill_manager(cfg: dict, server_args, pool=None):
     pool = pool if pool is not None else pd_rank.make_pool(cfg, bridge=False)
     metadata = pd_rank.metadata_buffers()
     with pd_rank.faulty_engine(cfg.get("fault")):
-        manager = PrefillBootstrapQueue._init_kv_manager(
+        manager = pd_rank.prefill_manager(
             pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata))
     return server, pool, metadata, manager
 
@@ -109,7 +108,7 @@ def prefill_rank(cfg: dict, server_args) -> dict:
 
     as_tp_rank(cfg)
     group = gloo_world(cfg)
-    server, pool, metadata, manager = prefill_manager(cfg, server_args)
+    server, pool, metadata, manager = start_prefill_rank(cfg, server_args)
     sender = initialised_sender(cfg, manager)
     src = cfg["src_pages"]
     pd_rank.fill_pool(pool, cfg["seed"])
@@ -196,7 +195,7 @@ def early_prefill(cfg: dict, server_args) -> dict:
     """The early send racing the forward (module docstring)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    server, pool, metadata, manager = prefill_manager(cfg, server_args)
+    server, pool, metadata, manager = start_prefill_rank(cfg, server_args)
     if cfg.get("wait_s"):
         manager.early_sends.wait_s = cfg["wait_s"]
     sender = initialised_sender(cfg, manager)

@@ -92,7 +92,7 @@ def prefill_rank(cfg: dict, server_args) -> dict:
     group = tp_group(cfg)
     pool = (layer_split_pool(cfg) if cfg.get("layer_split")
             else sharded_pool(cfg) if cfg.get("sharded") else None)
-    server, pool, metadata, manager = tp_rank.prefill_manager(cfg, server_args, pool)
+    server, pool, metadata, manager = tp_rank.start_prefill_rank(cfg, server_args, pool)
     senders = [tp_rank.initialised_sender({**cfg, **request}, manager) for request in cfg["requests"]]
     # MLA: decode reads from the group's first rank; with CP, from CP rank 0 (with layer split,
     # from every CP rank: each holds its own layers); sharded, from every rank (its own seed)
@@ -185,7 +185,6 @@ def compare_shares(cfg: dict, pool, metadata, receiver) -> dict:
 
 def decode_rank(cfg: dict, server_args) -> dict:
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     from dsa_bridge.plugin.sglang import decode_nodes
@@ -198,7 +197,7 @@ def decode_rank(cfg: dict, server_args) -> dict:
     engines = []  # the engines the rank builds: one, whatever the prefill groups it reads
     real = decode_nodes.create_backend
     decode_nodes.create_backend = lambda *args, **kwargs: engines.append(1) or real(*args, **kwargs)
-    manager = DecodePreallocQueue._init_kv_manager(
+    manager = pd_rank.decode_manager(
         pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata))
     addr = f"127.0.0.1:{cfg['port']}"
     wait_for(lambda: manager.try_ensure_parallel_info(addr), 240, "prefill parallel info")

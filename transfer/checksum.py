@@ -120,9 +120,9 @@ def verify_chunk(views: dict[BufferKey, torch.Tensor], request_pages: np.ndarray
 
     ``request_pages`` are decode's page ids of the whole request (``index_pages`` its indexer's,
     where they differ: for the indexer buffers and the KV layers in ``kv_on_index_pages``,
-    ``plan.on_index_pages``); the chunk covers those at ``[sums.offset, sums.offset + n)``. Returns the
-    number of (buffer, page) checksums verified; raises ChecksumError naming the layer, cache and
-    page of the first mismatch, or what is wrong with the message."""
+    ``plan.on_index_pages``); the chunk covers those at ``[sums.offset, sums.offset + n)``.
+    Returns the number of (buffer, page) checksums verified; raises ChecksumError naming the
+    layer, cache and page of the first mismatch, or what is wrong with the message."""
     if sums is None:
         raise ChecksumError("prefill sent no checksums (is it running with --checksums?)")
     if sums.algorithm not in ALGORITHMS:

@@ -129,6 +129,7 @@ def bridge_buffers(args, *, start_layer: int,
         raise ValueError(problem)
     ids = derive_layer_ids(args, start_layer=start_layer)
     draft = ids[len(ids) - int(getattr(args, "num_draft_entries", 0) or 0):]
+    with_indexer = frozenset(draft)  # the KV layers kept with the indexer, under HiSparse
     layout = derive_layout(args, ids)
     found = BufferSet.from_buf_infos(
         layout, (args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens), ids,
@@ -137,9 +138,9 @@ def bridge_buffers(args, *, start_layer: int,
              for d in found.buffer_descriptors()]
     groups = ({"target KV buffers": False, "indexer and draft KV buffers": True}
               if split_devices else {"KV and indexer buffers": None})
-    for what, with_indexer in groups.items():
-        devices = sorted({d.device for d in descs if with_indexer is None
-                          or on_index_pages((d.layer_id, d.kind), frozenset(draft)) == with_indexer})
+    for what, on_index in groups.items():
+        devices = sorted({d.device for d in descs if on_index is None
+                          or on_index_pages((d.layer_id, d.kind), with_indexer) == on_index})
         if len(devices) > 1:
             raise ValueError(f"the pool's {what} are on {devices}: dsa-bridge moves a pool held on "
                              "one device")

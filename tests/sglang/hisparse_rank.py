@@ -28,8 +28,7 @@ def pools(cfg: dict):
     from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
-    kwargs = {key: value for key, value in pd_rank.pool_kwargs(cfg).items()
-              if key not in ("start_layer", "skip_topk_layers")}
+    kwargs = {key: value for key, value in pd_rank.pool_kwargs(cfg).items() if key != "start_layer"}
     device = HiSparseDSATokenToKVPool(**kwargs, host_to_device_ratio=HOST_TO_DEVICE_RATIO)
     capacity = device.size if device.host_capacity_tokens is None else device.host_capacity_tokens
     host = MLATokenToKVPoolHost(

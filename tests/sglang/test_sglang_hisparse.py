@@ -3,7 +3,8 @@ into HiSparse's host pool (whose page 0 is a page) and the indexer into its devi
 its own pages, as sglang's own Mooncake connector does. A prefill rank (``pd_rank.py``) and a
 HiSparse decode rank (``hisparse_rank.py``: sglang's own ``HiSparseDSATokenToKVPool`` and
 ``MLATokenToKVPoolHost``, the manager from sglang's own ``_init_kv_manager``), each its own
-process, byte-exact on KV, indexer and aux, both engines, with and without checksums. With a
+process, byte-exact on KV, indexer and aux, both engines, with and without checksums; GLM-5.2
+compact on both sides (the 0-row indexer placeholders never written). With a
 draft model (MTP; Mooncake, as sglang's decode allows): the draft's KV lands in the device pool at
 the indexer's pages (``device_kv_indices``), and device pages other than those fail the request.
 """
@@ -15,13 +16,14 @@ import pytest
 from tests.conftest import require_engine
 
 from .conftest import SGLANG_MISSING
-from .test_sglang_conn import config, run_ranks
+from .test_sglang_conn import GLM_SKIP, config, run_ranks
 
 if SGLANG_MISSING:
     pytest.skip(SGLANG_MISSING, allow_module_level=True)
 
 MODEL = {"layers": 4, "model_layers": 4, "kv_cache_dim": 656}
 PAGE_BYTES = 64 * (656 + 132) * 4
+GLM_COMPACT = {"layers": 8, "model_layers": 8, "kv_cache_dim": 576, "skip": GLM_SKIP}
 
 
 @pytest.mark.parametrize("checksum", [False, True])
@@ -34,6 +36,20 @@ def test_a_hisparse_decode_gets_the_kv_in_its_host_pool_and_the_indexer_on_devic
     assert decode["poll"] == prefill["poll"] == 4, decode["reason"]
     assert decode["mismatched"] == [] and decode["others_sentinel"] and decode["aux_exact"]
     assert decode["nbytes"] == prefill["bytes"] == 5 * PAGE_BYTES + decode["aux_bytes"]
+
+
+def test_a_compact_hisparse_decode_gets_its_indexer_layers_only():
+    """GLM-5.2's first 8 layers, compact on both sides (indexers of 0, 1, 2 and 6 only): sglang's
+    HiSparse device pool holds 0-row placeholders for the others, and nothing is written there."""
+    require_engine("nixl")
+    cfg = config("nixl", GLM_COMPACT, host_pages=[0, 9, 10, 11, 4])
+    (prefill,), (decode,) = run_ranks([("prefill", [cfg]), ("hisparse-decode", [cfg])],
+                                      module="tests.sglang.hisparse_rank")
+    assert decode["poll"] == prefill["poll"] == 4, decode["reason"]
+    assert [key for key in decode["buffers"] if key.startswith("index")] == [
+        "index:0", "index:1", "index:2", "index:6"]
+    assert decode["mismatched"] == [] and decode["others_sentinel"] and decode["aux_exact"]
+    assert decode["nbytes"] == prefill["bytes"] == 5 * 64 * (8 * 576 + 4 * 132) + decode["aux_bytes"]
 
 
 MTP = {**MODEL, "draft_layers": 1}  # the draft's KV and indexer: layer 4, on the device

@@ -50,6 +50,7 @@ class FaultyBackend:
                              f"{delay_s}, {flip_every}")
         self.inner = inner
         self.name = inner.name
+        self.tick_ms = inner.tick_ms
         self.fail_every = fail_every
         self.delay_s = delay_s
         self.flip_every = flip_every

@@ -2,14 +2,14 @@
 
 ``NodeRuntime`` registers the node's regions (its pool buffers and aux buffers) with the engine
 backend, and from then on owns the backend, a ZMQ context with the sockets the node makes on it
-(``socket``), and the ``ControlLoop`` that owns those sockets once started (``start``). Its tick
-runs ``backend.progress()``, then the node's tick, then copies the loop's ``bad_messages`` and
-``max_tick_gap_s`` into the node's counters. ``close`` stops the loop (which sends what is queued),
-closes every socket with the context — giving the messages still in ZMQ's queues
-``CLOSE_LINGER_MS`` to leave, so a request's last ``ChunkDone`` reaches a live peer when the node
-closes right after its request succeeded — then closes the backend: in that order, once, and as
-well from a construction that failed half-way (the node calls it on any failure after the runtime
-exists; a failed registration closes the backend at once).
+(``socket``), and the ``ControlLoop`` that owns those sockets once started (``start``). Its tick,
+every ``backend.tick_ms``, runs ``backend.progress()``, then the node's tick, then copies the
+loop's ``bad_messages`` and ``max_tick_gap_s`` into the node's counters. ``close`` stops the loop
+(which sends what is queued), closes every socket with the context — giving the messages still
+in ZMQ's queues ``CLOSE_LINGER_MS`` to leave, so a request's last ``ChunkDone`` reaches a live
+peer when the node closes right after its request succeeded — then closes the backend: in that
+order, once, and as well from a construction that failed half-way (the node calls it on any
+failure after the runtime exists; a failed registration closes the backend at once).
 
 ``liveness`` is the node's ``liveness.Liveness`` (pure, time passed in): when the next heartbeat
 is due, and when a peer that has not been heard from counts as silent.
@@ -49,7 +49,7 @@ class NodeRuntime:
             self.closed = True
             backend.close()
             raise
-        self.loop = ControlLoop(name, on_message, self._tick)
+        self.loop = ControlLoop(name, on_message, self._tick, backend.tick_ms)
 
     def socket(self, kind: int, receive_limit: int) -> zmq.Socket:
         """A socket of ``kind`` on the runtime's context: no linger, messages larger than

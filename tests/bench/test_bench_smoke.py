@@ -90,7 +90,8 @@ def test_tiny_bench_reports_every_figure(tmp_path):
         if row["sweep"] == "length":  # the machine's own tick gap, next to the control thread's
             assert len(row["idle_tick_gap_samples_ms"]) == rounds
             assert row["idle_tick_gap_ms"] == max(row["idle_tick_gap_samples_ms"])
-            assert min(row["idle_tick_gap_samples_ms"]) >= 1.9  # the loop waits 2 ms each pass
+            tick_ms = {"mooncake": 10, "nixl": 2}[row["backend"]]  # the engine's tick_ms
+            assert min(row["idle_tick_gap_samples_ms"]) >= tick_ms * 0.95  # a wait each pass
     for row in report["plan"]:
         assert row["seconds"] > 0 and row["descriptors"] == row["runs"] * 61 * 2
         assert all(share > 0 for share in row["share"].values())

@@ -21,6 +21,7 @@ _ids = itertools.count()
 
 class FakeBackend:
     name = "mooncake"  # handshakes compare backend names; the fake poses as the default
+    tick_ms = 2
 
     def __init__(self, *, fail_every: int = 0):
         self.id = f"fake-{next(_ids)}"

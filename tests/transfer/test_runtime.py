@@ -136,6 +136,25 @@ def test_a_failed_registration_closes_the_backend_and_makes_no_context():
     assert _open_fds() == fds
 
 
+@pytest.mark.parametrize("tick_ms", [2, 25])
+def test_the_loop_ticks_at_the_engines_tick_ms(tick_ms):
+    """Mooncake's engine runs its own threads (10 ms), NIXL's passive side needs ``progress``
+    every few ms (2 ms): a node's ticks follow its engine's ``tick_ms``, never sooner."""
+    backend = FakeBackend()
+    backend.tick_ms = tick_ms
+    ticks = []
+    runtime = NodeRuntime("n", backend, [], Counters(), on_message=lambda *a: None,
+                          on_tick=ticks.append, heartbeat_s=0.5, peer_timeout_s=5.0)
+    runtime.start([])
+    try:
+        wait_for(lambda: len(ticks) >= 8, what="eight ticks")
+    finally:
+        runtime.close()
+    gaps = [later - earlier for earlier, later in zip(ticks[:7], ticks[1:8], strict=True)]
+    assert min(gaps) >= tick_ms / 1e3 * 0.99
+    assert min(gaps) < tick_ms / 1e3 + 0.02  # (on a loaded host a tick may come late, not early)
+
+
 def test_close_stops_the_loop_then_closes_sockets_and_backend_once():
     backend, counters = FakeBackend(), Counters()
     ticks = []

@@ -63,6 +63,7 @@ class TransferBackend(Protocol):
     """What the transfer layer needs of an engine. All methods raise BackendError on failure."""
 
     name: str
+    tick_ms: int  # how often a node's control thread ticks over it (``progress``, heartbeats)
 
     def register(self, regions: list[BufferDescriptor]) -> None:
         """Register each region once. Zero-length, null or duplicate regions are refused."""

@@ -159,6 +159,7 @@ class MooncakeBackend(EngineBackend[_Peer]):
     """TransferBackend over ``mooncake.engine.TransferEngine``."""
 
     name = "mooncake"
+    tick_ms = 10  # the engine runs its own threads: a tick is only heartbeats and deadlines
 
     def __init__(
         self,

@@ -120,6 +120,7 @@ class NixlBackend(EngineBackend[RegionTable]):
     """TransferBackend over a ``nixl_agent`` with the UCX backend and no progress thread."""
 
     name = "nixl"
+    tick_ms = 2  # the passive side's ``progress`` every few ms (no progress thread)
 
     def __init__(self, *, host: str = "127.0.0.1", agent_name: str = "",
                  post_bytes: int = POST_BYTES) -> None:

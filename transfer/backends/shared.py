@@ -92,6 +92,7 @@ class SharedUser:
         self._shared = shared
         self._engine = shared.engine
         self.name = shared.name
+        self.tick_ms = shared.engine.tick_ms
         self._regions: list[BufferDescriptor] = []
         self._closed = False
 

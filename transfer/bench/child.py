@@ -21,9 +21,9 @@ drives it over a private ZMQ PAIR socket; every command (a msgpack map) gets one
   ticks since the last ``send`` (``max_tick_gap_ms``: how long the writer's engine calls kept
   heartbeats and deadlines waiting).
 - ``idle_gap``: the longest interval between two passes of a bare loop that only polls (as the
-  node's control loop does when idle: ``CONTROL_POLL_MS``) for the given seconds, in the child,
-  with no write in flight: the baseline for ``max_tick_gap_ms``, what the machine alone gives a
-  thread that wakes every 2 ms (``idle_tick_gap_ms``).
+  node's control loop does when idle: every ``tick_ms`` of its engine) for the given seconds, in
+  the child, with no write in flight: the baseline for ``max_tick_gap_ms``, what the machine
+  alone gives a thread that wakes that often (``idle_tick_gap_ms``).
 - ``raw``: plan the given (src, dst) page lists with ``plan_writes`` (timed on its own), join the
   plans and time one ``backend.write`` of all of them: pre-built descriptors, one batch.
 - ``teardown`` (close the node) and ``quit``.
@@ -60,7 +60,6 @@ START_TIMEOUT_S = 60.0
 WRITE_TIMEOUT_S = 120.0
 IDLE_EXIT_S = 900.0
 PLAN_REPEAT = 5
-CONTROL_POLL_MS = 2  # ControlLoop's default poll timeout, which the idle_gap loop mirrors
 
 
 @dataclass(frozen=True)
@@ -149,7 +148,7 @@ class _PrefillServer:
             start = last = time.monotonic()
             gap = 0.0
             while last - start < seconds:
-                poller.poll(CONTROL_POLL_MS)
+                poller.poll(self.node.backend.tick_ms)  # as the node's control loop polls
                 now = time.monotonic()
                 gap, last = max(gap, now - last), now
         finally:

@@ -296,8 +296,8 @@ def print_tables(report: dict) -> None:
     print(f"staging_bytes (both nodes): {report['staging_bytes']}; descriptors of a staged "
           f"{report['staged_tokens']}-token request: {report['staged_descriptors_per_request']}")
     print(f"max_tick_gap_ms (prefill control thread, largest request "
-          f"{report['max_tick_gap_bytes']} bytes): {report['max_tick_gap_ms']}; a bare 2 ms poll "
-          f"loop, no write (idle_tick_gap_ms): {report['idle_tick_gap_ms']}")
+          f"{report['max_tick_gap_bytes']} bytes): {report['max_tick_gap_ms']}; a bare poll loop "
+          f"at the engine's tick_ms, no write (idle_tick_gap_ms): {report['idle_tick_gap_ms']}")
     print(f"targets met: {report['targets_met']}")
 
 

@@ -21,7 +21,8 @@ mapping for MLA pools, byte-exact on every decode rank.
 - ``cp2-sharded-into-tp1``: a KV-sharded prefill (``--enable-kv-cache-sharding``, sglang's own
   ``PageInterleaveDSATokenToKVPool`` on each rank) of two attention-CP ranks, the shard group
   sglang allows for DSA pools, into one decode rank: decode reads both CP ranks, each writing
-  its shard of the pages (one rank's last chunk empty);
+  its shard of the pages (one rank's last chunk empty); ``cp2-sharded-mtp-into-tp1`` the same
+  with a draft model, whose pool sglang shards alike;
 - ``tp2-sharded-into-tp2``: the same sharded over attention TP (sglang's shard group without CP,
   which sglang refuses for DSA pools but serves for other MLA pools) into a TP-2 decode;
 - ``cp2-page-split-into-tp1``: ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1`` on the prefill
@@ -85,6 +86,9 @@ SCENARIOS = {
     # (and what the decode ranks' configurations add)
     "tp2-sharded-into-tp2": ((2, 1), (2, 1), [[SHARDED]] * 2, [[SHARDED]] * 2, {"sharded": True}),
     "cp2-sharded-into-tp1": ((2, 1, 2), (1, 1), [[SHARDED]] * 2, [[SHARDED]], {"sharded": True}),
+    # with a draft model (MTP), its pool sharded alike on prefill, whole on decode
+    "cp2-sharded-mtp-into-tp1": ((2, 1, 2), (1, 1), [[SHARDED]] * 2, [[SHARDED]],
+                                 {"sharded": True, "draft_layers": 1}, {"draft_layers": 1}),
     "cp2-page-split-into-tp1": ((2, 1, 2), (1, 1), [[CP_SPLIT]] * 2, [[CP_SPLIT]],
                                 {"all_cp_ranks": True}),
     # the variable on decode only: decode follows the prefill's registration
@@ -230,6 +234,18 @@ def test_a_kv_sharded_attention_cp2_prefill_into_one_decode_rank(widths, engine)
     assert shard0["bytes"] == 1 * page + decode["compared"][0]["aux_bytes"]
     assert shard1["bytes"] == 4 * page
     assert shard0["verdicts"] == shard1["verdicts"] == [4]
+
+
+def test_a_kv_sharded_prefill_with_a_draft_model_writes_the_drafts_shares_too(widths):
+    """KV sharding with a draft model (GLM-5's NextN): sglang shards the draft's pool as the
+    target's, so each CP rank writes its share of the draft layer's pages as of every other."""
+    shard0, shard1, decode = widths("mooncake", "cp2-sharded-mtp-into-tp1")
+    assert exact(decode), decode
+    assert shard0["layers"] == shard1["layers"] == [0, 1, 2, 3, 4]  # the draft's: layer 4
+    assert "kv:4" in decode["compared"][0]["buffers"]
+    page = 64 * (656 + 132) * (MODEL["layers"] + 1)
+    assert shard0["bytes"] == 1 * page + decode["compared"][0]["aux_bytes"]
+    assert shard1["bytes"] == 4 * page
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -72,10 +72,10 @@ def gloo_world(cfg: dict):
     return dist.group.WORLD
 
 
-def start_prefill_rank(cfg: dict, server_args, pool=None):
+def start_prefill_rank(cfg: dict, server_args, pool=None, draft=None):
     """A prefill rank's bootstrap server (TP rank 0's only), pool (sglang's ``DSATokenToKVPool``
-    unless given), metadata buffers and manager (sglang's ``_init_kv_manager``; its engine faulty
-    by ``fault``)."""
+    unless given; ``draft``: a draft model's beside it), metadata buffers and manager (sglang's
+    ``_init_kv_manager``; its engine faulty by ``fault``)."""
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     server = (get_kv_class(TransferBackend(cfg["engine"]), KVClassType.BOOTSTRAP_SERVER)(
@@ -84,7 +84,7 @@ def start_prefill_rank(cfg: dict, server_args, pool=None):
     metadata = pd_rank.metadata_buffers()
     with pd_rank.faulty_engine(cfg.get("fault")):
         manager = pd_rank.prefill_manager(
-            pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata))
+            pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata, draft))
     return server, pool, metadata, manager
 
 

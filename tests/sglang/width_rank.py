@@ -90,9 +90,9 @@ def prefill_rank(cfg: dict, server_args) -> dict:
 
     as_rank(cfg)
     group = tp_group(cfg)
-    pool = (layer_split_pool(cfg) if cfg.get("layer_split")
-            else sharded_pool(cfg) if cfg.get("sharded") else None)
-    server, pool, metadata, manager = tp_rank.start_prefill_rank(cfg, server_args, pool)
+    pool, draft = (sharded_pools(cfg) if cfg.get("sharded")
+                   else (layer_split_pool(cfg) if cfg.get("layer_split") else None, None))
+    server, pool, metadata, manager = tp_rank.start_prefill_rank(cfg, server_args, pool, draft)
     senders = [tp_rank.initialised_sender({**cfg, **request}, manager) for request in cfg["requests"]]
     # MLA: decode reads from the group's first rank; with CP, from CP rank 0 (with layer split,
     # from every CP rank: each holds its own layers); sharded, from every rank (its own seed)
@@ -102,7 +102,7 @@ def prefill_rank(cfg: dict, server_args) -> dict:
         seed = cfg["seed"] + (parallel.attn_tp_rank + parallel.attn_cp_rank) * OTHER_RANKS_SEED
     else:
         seed = cfg["seed"] + (0 if writes else OTHER_RANKS_SEED)
-    pd_rank.fill_pool(pool, seed)
+    pd_rank.fill_pool(pool, seed, pd_rank.draft_views(draft, cfg))
     pd_rank.fill(pd_rank.aux_views(metadata), seed=seed + 1)
     for sender, request in zip(senders, cfg["requests"], strict=True):
         src = request["src_pages"]
@@ -139,10 +139,11 @@ def layer_split_pool(cfg: dict):
                                       layer_shard_size=cp.world_size)
 
 
-def sharded_pool(cfg: dict):
+def sharded_pools(cfg: dict):
     """sglang's ``PageInterleaveDSATokenToKVPool`` of this rank, its KV shard group (attention CP,
     or attention TP without CP: the whole DP group here) sglang's ``GroupCoordinator`` on the
-    gloo world."""
+    gloo world; and with ``draft_layers`` the draft model's, sharded alike (as sglang's
+    configurator makes an MTP pool under KV sharding), else None."""
     from types import SimpleNamespace
 
     from sglang.srt.distributed.parallel_state import GroupCoordinator
@@ -159,11 +160,16 @@ def sharded_pool(cfg: dict):
                                         enable_kv_cache_sharding=True)
     spec = PageShardSpec(shard_rank=shard.rank_in_group, shard_size=shard.world_size, page_size=64,
                          max_prefix_tokens=64 * 2 * shard.world_size, chunk_tokens=128)
-    return PageInterleaveDSATokenToKVPool(**pd_rank.pool_kwargs(cfg), shard_spec=spec,
+    pool = PageInterleaveDSATokenToKVPool(**pd_rank.pool_kwargs(cfg), shard_spec=spec,
                                           shard_group=shard)
+    if not cfg.get("draft_layers"):
+        return pool, None
+    draft = {**pd_rank.pool_kwargs(cfg), "layer_num": cfg["draft_layers"], "start_layer": 0,
+             "skip_topk_layers": None}
+    return pool, PageInterleaveDSATokenToKVPool(**draft, shard_spec=spec, shard_group=shard)
 
 
-def compare_shares(cfg: dict, pool, metadata, receiver) -> dict:
+def compare_shares(cfg: dict, pool, metadata, receiver, draft=None) -> dict:
     """``pd_rank.compare`` of each of two prefill ranks' shares of the pages, each from that
     rank's pool (seeded as that rank), the aux slot from rank 0. ``split`` "kv-sharding":
     logical page ``l`` from rank ``l % 2`` at its local page ``l // 2``; "cp": the first
@@ -179,7 +185,7 @@ def compare_shares(cfg: dict, pool, metadata, receiver) -> dict:
         parts.append(pd_rank.compare({**cfg, "seed": cfg["seed"] + rank * OTHER_RANKS_SEED,
                                       "src_pages": [local[i] for i in at],
                                       "dst_pages": [cfg["dst_pages"][i] for i in at]},
-                                     pool, metadata, receiver))
+                                     pool, metadata, receiver, draft))
     return {**parts[0], "mismatched": parts[0]["mismatched"] + parts[1]["mismatched"]}
 
 
@@ -192,13 +198,15 @@ def decode_rank(cfg: dict, server_args) -> dict:
     as_rank(cfg)
     group = tp_group(cfg)
     pool, metadata = pd_rank.make_pool(cfg, bridge=True), pd_rank.metadata_buffers()
-    for view in [*pd_rank.views(pool).values(), *pd_rank.aux_views(metadata)]:
+    draft = pd_rank.make_draft_pool(cfg)
+    for view in [*pd_rank.views(pool).values(), *pd_rank.draft_views(draft, cfg).values(),
+                 *pd_rank.aux_views(metadata)]:
         view.fill_(pd_rank.SENTINEL)
     engines = []  # the engines the rank builds: one, whatever the prefill groups it reads
     real = decode_nodes.create_backend
     decode_nodes.create_backend = lambda *args, **kwargs: engines.append(1) or real(*args, **kwargs)
     manager = pd_rank.decode_manager(
-        pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata))
+        pd_rank.scheduler_stand_in(cfg, server_args, pool, metadata, draft))
     addr = f"127.0.0.1:{cfg['port']}"
     wait_for(lambda: manager.try_ensure_parallel_info(addr), 240, "prefill parallel info")
     info = manager.prefill_info_table[addr]
@@ -220,9 +228,9 @@ def decode_rank(cfg: dict, server_args) -> dict:
               "groups": [[len(r._group.write), len(r._group.idle), r._group.copies, r._group.shares]
                          for r in receivers],
               "compared": [(compare_shares if request.get("split") else pd_rank.compare)(
-                  {**cfg, **request}, pool, metadata, receiver)
+                  {**cfg, **request}, pool, metadata, receiver, draft)
                            for receiver, request in zip(receivers, cfg["requests"], strict=True)],
-              "untouched": untouched(cfg, pool), "engines": len(engines),
+              "untouched": untouched(cfg, pool, draft), "engines": len(engines),
               "nodes": len(manager.decode_nodes.nodes), "peers": [r.bootstrap_infos for r in receivers],
               "cp_routes": cp_routes(addr, info.attn_cp_size),
               "verifies_checksums": manager.should_verify_kv_checksum(addr)}
@@ -245,11 +253,12 @@ def cp_routes(addr: str, cp_size: int) -> list[str]:
     return out
 
 
-def untouched(cfg: dict, pool) -> bool:
-    """Every page no request of this rank named still holds the sentinel."""
+def untouched(cfg: dict, pool, draft=None) -> bool:
+    """Every page no request of this rank named still holds the sentinel (``draft``'s too)."""
     named = {p for request in cfg["requests"] for p in request["dst_pages"]}
     others = [p for p in range(1, cfg["pages"] + 1) if p not in named]
-    return all(bool((v[others] == pd_rank.SENTINEL).all()) for v in pd_rank.views(pool).values())
+    views = {**pd_rank.views(pool), **pd_rank.draft_views(draft, cfg)}
+    return all(bool((v[others] == pd_rank.SENTINEL).all()) for v in views.values())
 
 
 ROLES = {"width-prefill": prefill_rank, "width-decode": decode_rank}

@@ -4,10 +4,11 @@ own bootstrap port, pools and manager, closed before the next) and prints one ``
 ...]`` line.
 
 As a scheduler process would: the shims, sglang's own ``load_plugins()`` (``SGLANG_PLUGINS``
-from the environment), a published ``ServerArgs``, sglang's own pool and ``MetadataBuffers`` on
-the CPU, and sglang's own ``_init_kv_manager`` of ``PrefillBootstrapQueue`` /
-``DecodePreallocQueue`` (the KVArgs fill, ``setup_state_kv_args``, then the manager class from
-the hooked ``get_kv_class``) over a stand-in for the scheduler attributes it reads. Then the
+from the environment), a published ``ServerArgs``, sglang's own pool (and, with
+``draft_layers``, a draft model's) and ``MetadataBuffers`` on the CPU, and sglang's own
+``_init_kv_manager`` of ``PrefillBootstrapQueue`` / ``DecodePreallocQueue`` (the KVArgs fill,
+``setup_state_kv_args``, then the manager class from the hooked ``get_kv_class``) over a
+stand-in for the scheduler attributes it reads. Then the
 calls its queues make, in their order: prefill — bootstrap server, sender, poll to
 WaitingForInput (bootstrap queue; with pipeline stages, sglang's own
 ``poll_and_all_reduce_prefill_pp`` over real torch.distributed (gloo) groups and sglang's

@@ -147,9 +147,9 @@ def test_a_prefill_lost_mid_write_fails_the_request_and_its_pages_go_once_it_is_
     assert decode["landed_at_abort"] > 0  # killed with its write half landed
     assert decode["failed_after_s"] < 20 and decode["status"] == 500
     assert "unreachable (no heartbeat for 5.0s)" in decode["finished"]
-    assert decode["notified"] and decode["held"] == 1 and decode["last_answer"] is True
     (release,) = decode["released"]
-    assert release["fence"] is True  # proven gone: no write of it can land
+    assert release["fence"] is True, decode  # proven gone: no write of it can land
+    assert decode["notified"] and decode["held"] == 1 and decode["last_answer"] is True
     # what was on its way at the kill may land; the write's second half never comes
     assert decode["landed_at_abort"] <= release["landed"] < decode["pairs"]
     assert decode["new_owner_intact"] and decode["landed_at_end"] == 0

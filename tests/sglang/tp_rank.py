@@ -164,11 +164,9 @@ def decode_rank(cfg: dict, server_args) -> dict:
     group = gloo_world(cfg)
     side = release_rank.queued_request(cfg, server_args, group, info_wait_s=240, bootstrap_wait_s=60)
     pool, expected, manager, released = side.pool, side.expected, side.manager, side.released
-    decode_req, room, queue = side.decode_req, side.room, side.queue
-    answers, deadline = [], time.monotonic() + 90
+    decode_req, room = side.decode_req, side.room
+    answers, deadline = release_rank.sglangs_answers(manager, room), time.monotonic() + 90
     while True:
-        if decode_req.kv_receiver is not None and queue.num_pending_deferred_releases():
-            answers.append(manager.is_abort_release_safe(room, 1))  # sglang's question, each step
         if release_rank.step(side):
             release_rank.give_to_new_owner(side)
         over = bool(released) and time.monotonic() > released[0]["new_owner_at"] + cfg["write_window_s"]

@@ -48,9 +48,12 @@ from .sizes import SIZES
 
 REPORT_VERSION = 1
 LONG_REQUEST_TOKENS = 8192  # the ratio_vs_raw target holds from this request length on
-TARGETS = {"ratio_vs_raw": 0.9, "plan_share": 0.02, "pool_vs_memcpy": 0.5, "checksum_share": 0.1,
-           "concurrent_ratio_vs_raw": 0.9, "max_tick_gap_ms": 20.0, "vs_contiguous": 0.8,
-           "staged_descriptors": 64}
+# per engine where issue 21 sets them apart: NIXL over CMA, where a gather, a scatter or a hash
+# costs as much as the copy itself on two cores, is held to less
+TARGETS = {"ratio_vs_raw": 0.9, "plan_share": 0.02, "pool_vs_memcpy": 0.5,
+           "checksum_share": {"mooncake": 0.1, "nixl": 0.25},
+           "concurrent_ratio_vs_raw": 0.9, "max_tick_gap_ms": 20.0,
+           "vs_contiguous": {"mooncake": 0.8, "nixl": 0.65}, "staged_descriptors": 64}
 TARGET_CONCURRENCY = (16, 64)  # requests in flight the concurrent_ratio_vs_raw target covers
 ENGINE_PACKAGES = ("mooncake-transfer-engine-non-cuda", "nixl-cu12")
 QUIET_ENV = {"MC_LOG_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "ERROR", "UCX_LOG_LEVEL": "error"}
@@ -198,7 +201,7 @@ def summarize(transfers: list[dict], plan_share: dict, pool_rows: list[dict],
         "staged_tokens": max((r["tokens"] for r in staged), default=0),
         "staging_bytes": max(r["staging_bytes"] for r in transfers),
         "targets_met": {
-            "vs_contiguous": {b: all(v >= TARGETS["vs_contiguous"] for v in by.values())
+            "vs_contiguous": {b: all(v >= TARGETS["vs_contiguous"][b] for v in by.values())
                               for b, by in fragmented.items()},
             "auto_picks_faster": {b: all(e["auto"] == e["faster"] for e in by.values())
                                   for b, by in routes.items()},
@@ -211,7 +214,7 @@ def summarize(transfers: list[dict], plan_share: dict, pool_rows: list[dict],
                                 for b, v in tick_gap.items()},
             "ratio_vs_raw": {b: v >= TARGETS["ratio_vs_raw"] for b, v in ratio.items()},
             "plan_share": {b: v <= TARGETS["plan_share"] for b, v in plan_share.items()},
-            "checksum_share": {b: v <= TARGETS["checksum_share"] for b, v in share.items()},
+            "checksum_share": {b: v <= TARGETS["checksum_share"][b] for b, v in share.items()},
             "descriptors_exact": all(r["descriptors_exact"] for r in transfers),
             "pool_vs_memcpy": {op: v >= TARGETS["pool_vs_memcpy"] for op, v in bulk.items()},
         },

@@ -81,10 +81,15 @@ def dsa_problem(args) -> str | None:
     return None
 
 
+def draft_entries(args) -> int:
+    """How many of the last KV entries of ``args`` are the draft (MTP) pool's."""
+    return int(getattr(args, "num_draft_entries", 0) or 0)
+
+
 def derive_layer_ids(args, *, start_layer: int) -> list[int]:
     """The global layer id of every KV (and DSA state) entry of ``args`` (module docstring)."""
     total = len(args.kv_data_ptrs)
-    draft = int(getattr(args, "num_draft_entries", 0) or 0)
+    draft = draft_entries(args)
     if not 0 <= draft < total:
         raise ValueError(f"num_draft_entries {draft} does not fit {total} KV entries")
     ids = list(range(start_layer, start_layer + total))
@@ -128,7 +133,7 @@ def bridge_buffers(args, *, start_layer: int,
     if problem:
         raise ValueError(problem)
     ids = derive_layer_ids(args, start_layer=start_layer)
-    draft = ids[len(ids) - int(getattr(args, "num_draft_entries", 0) or 0):]
+    draft = ids[len(ids) - draft_entries(args):]
     with_indexer = frozenset(draft)  # the KV layers kept with the indexer, under HiSparse
     layout = derive_layout(args, ids)
     found = BufferSet.from_buf_infos(

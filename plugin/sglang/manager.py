@@ -109,7 +109,7 @@ from .bringup import (
 from .decode_nodes import HTTP_TIMEOUT_S, STAGING_BYTES, DecodeNodes
 from .deferred_release import DeferredRelease, log_release_bounds
 from .early_send import EarlySendDispatcher
-from .kvargs import bridge_buffers, dsa_problem
+from .kvargs import bridge_buffers, draft_entries, dsa_problem
 from .memory_kinds import hisparse_problem, kind_of, pointer_info
 from .mixed import PrefillAborts, layout_mark, policy_mark
 from .paged_buffers import PagedBuffers
@@ -187,13 +187,15 @@ class DSABridgeKVManager(BaseKVManager):
         # its device pool, each at its own pages
         self.hisparse = not prefill and bool(get_memory().enable_hisparse)
         problem = hisparse_problem(not prefill, self.hisparse,
-                                   int(getattr(args, "num_draft_entries", 0) or 0), self.backend)
+                                   draft_entries(args), self.backend)
         if problem:
             raise ValueError(problem)
         info = pointer_info(_cuda())  # each buffer registered as the memory its pointer is
         self.bridge = bridge_buffers(args, start_layer=start,
                                      device_of=lambda ptr: kind_of(ptr, info(ptr)).device,
                                      split_devices=self.hisparse)
+        # HiSparse keeps a draft model's KV on the device, at the indexer's pages
+        self.kv_on_index_pages = tuple(self.bridge.draft_layer_ids) if self.hisparse else ()
         device = self.bridge.buffers.buffer_descriptors()[0].device
         self.pool = PagedBuffers(self.bridge.buffers, device)  # what the nodes take as their pool
         self.secret = auth.load_secret()  # DSA_BRIDGE_SECRET, the same on prefill and decode
@@ -218,7 +220,7 @@ class DSABridgeKVManager(BaseKVManager):
             allocation_policy=self.allocation_policy, attn_tp_size=self.attn_tp_size,
             attn_tp_rank=self.attn_tp_rank, attn_dp_rank=self.attn_dp_rank, pp_size=self.pp_size,
             kv_page_zero=self.hisparse,
-            kv_on_index_pages=self.bridge.draft_layer_ids if self.hisparse else (),
+            kv_on_index_pages=self.kv_on_index_pages,
             pp_rank=self.pp_rank, memory_released=lambda: self.memory_released)
         self.deferred_release = DeferredRelease(self.decode_nodes)  # decode: sglang's held pages
         self.early_sends = EarlySendDispatcher(  # chunks held until sglang's forward wrote them

@@ -158,7 +158,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         logical pages, the DSA state indices): dsa-bridge writes the draft's KV at the indexer's
         pages (``kv_on_index_pages``), so they must be given and equal those. Otherwise sglang
         sends none."""
-        draft_on_device = self.kv_mgr.hisparse and bool(self.kv_mgr.bridge.draft_layer_ids)
+        draft_on_device = bool(self.kv_mgr.kv_on_index_pages)
         if device_kv_indices is None:
             return ("HiSparse decode with a draft model without device_kv_indices (the draft "
                     "KV's device pages)") if draft_on_device else None
@@ -166,7 +166,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
             return ("device_kv_indices given, but this decode keeps no KV on the device apart "
                     "(HiSparse with a draft model)")
         device = np.asarray(device_kv_indices, dtype=np.int64).ravel()
-        index = np.asarray(state_indices[0], dtype=np.int64).ravel()
+        index = self._index_pages(state_indices)
         if not np.array_equal(device, index):
             return (f"device_kv_indices ({device.size} pages) differ from the DSA state indices "
                     f"({index.size} pages): dsa-bridge writes a draft model's KV at the "

@@ -15,7 +15,10 @@ its backend wrapped here) by the environment, read once at start-up:
   engine with the inverse of the source byte — as corruption on the way would leave it, for the
   end-to-end checksums to catch (CPU memory only: the source byte is read directly).
 
-Everything else is passed through to the wrapped backend unchanged.
+When it closes it logs how many writes were attempted (``WRITES_ATTEMPTED``), so a test can
+count the failures against the writes the node really made (its writer batches chunks, so the
+number of writes depends on timing). Everything else is passed through to the wrapped backend
+unchanged.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ EVERY_ENV = "DSA_BRIDGE_FAULT_WRITE_EVERY"
 DELAY_ENV = "DSA_BRIDGE_FAULT_WRITE_DELAY_MS"
 FLIP_ENV = "DSA_BRIDGE_FAULT_FLIP_EVERY"
 HALF_LANDED = "TEST-ONLY fault: half of a write landed, the rest follows after the delay"
+# logged with the count when the backend closes: how many writes the node attempted in all
+WRITES_ATTEMPTED = "TEST-ONLY fault: writes attempted"
 
 
 class FaultyBackend:
@@ -120,6 +125,7 @@ class FaultyBackend:
         return self.inner.transport()
 
     def close(self) -> None:
+        log.warning("%s: %d", WRITES_ATTEMPTED, self.writes)
         self.inner.close()
 
 

@@ -34,7 +34,7 @@ from dsa_bridge.transfer.launcher.drivers import (
 )
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll
-from tests.faulty import DELAY_ENV, EVERY_ENV, HALF_LANDED, FaultyBackend
+from tests.faulty import DELAY_ENV, EVERY_ENV, HALF_LANDED, WRITES_ATTEMPTED, FaultyBackend
 
 from ..transfer.fake_backend import FakeBackend
 from ..transfer.helpers import wait_for
@@ -317,46 +317,71 @@ def test_write_into_a_frozen_decode_times_out(backend, procs, ledger, monkeypatc
     assert gone(victim.pid)
 
 
+def writes_attempted(server) -> int:
+    """How many engine writes a stopped fault-injecting prefill attempted (logged at its close)."""
+    found = re.findall(rf"{WRITES_ATTEMPTED}: (\d+)", server.output())
+    assert found, f"{server.name} logged no write count:\n{server.output()[-3000:]}"
+    return int(found[-1])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_engine_write_failing_every_third_call(backend, procs, ledger):
+    """The prefill's engine fails every third write, half of it written. Its writer batches the
+    chunks queued for one decode node into one write, so how many writes 12 requests take depends
+    on timing: the requests go in 9 waves (each settled before the next: at least 9 writes, so at
+    least 3 failures), 3 waves with a second, 3-page request beside the 1-page one, and the
+    failures are counted against the writes the prefill really attempted."""
     server = prefill(procs, LO, backend, *NODE, "--chunk-pages", "1", env={EVERY_ENV: "3"})
     listening(procs, server)
+    singles, triples = request_pages(9, 1), request_pages(3, 3, start=20)
     with DecodeNode(make_pool(), create_backend(backend), server.endpoint,
                     in_flight_grace_s=IN_FLIGHT_GRACE_S) as node:
         requests = []
-        for room, pages in enumerate(request_pages(9, 1) + request_pages(3, 3, start=20)):
-            receiver = node.receiver(room)
-            receiver.init(pages)
-            requests.append((receiver, pages))
         held_at_failure = {}  # room -> were its pages held when it was first seen Failed?
 
-        def watch() -> bool:
-            for receiver, _ in requests:
+        def watch(wave) -> bool:
+            for receiver, _ in wave:
                 if receiver.poll() == KVPoll.Failed and receiver.room not in held_at_failure:
                     held_at_failure[receiver.room] = not receiver.can_release()
-            return settled(*(r for r, _ in requests))
+            return settled(*(r for r, _ in wave))
 
-        wait_for(watch, 90, "every request settled")
+        for i, pages in enumerate(singles):
+            wave = [(node.receiver(i), pages)]
+            if i % 3 == 0:
+                wave.append((node.receiver(len(singles) + i // 3), triples[i // 3]))
+            for receiver, wave_pages in wave:
+                receiver.init(wave_pages)
+            requests += wave
+            wait_for(lambda wave=wave: watch(wave), 90, f"wave {i} settled",
+                     detail=lambda wave=wave: "; ".join(fence_state(r) for r, _ in wave))
         failed = [(r, p) for r, p in requests if r.poll() == KVPoll.Failed]
         verified, lost = verified_bytes(node.pool, requests)
-        assert all(held_at_failure[r.room] for r, _ in failed), "failed pages were released at once"
-        assert all("injected failure" in str(r.failure_exception()) for r, _ in failed)
+        reasons = {r.room: str(r.failure_exception()) for r, _ in failed}
+        assert all(held_at_failure[r.room] for r, _ in failed), \
+            f"failed pages were released at once: {held_at_failure}"
+        assert all("injected failure" in reason for reason in reasons.values()), reasons
         # part of each failed write landed, yet its requests are Failed and their pages held; a
         # write that batched two requests' chunks may have landed only in the first one's pages
-        assert any(buffer_matches(node.pool, r.room, p[:1], FIRST, "kv") for r, p in failed)
+        assert any(buffer_matches(node.pool, r.room, p[:1], FIRST, "kv") for r, p in failed), \
+            f"no failed request's first page holds its bytes; failed: {reasons}"
         # released once the grace has run from the last report (seconds ago): 12 s of margin
         wait_for(lambda: all(r.can_release() for r, _ in failed), IN_FLIGHT_GRACE_S + 12,
                  "pages after the grace",
                  detail=lambda: "; ".join(fence_state(r) for r, _ in failed if not r.can_release()))
     assert server.stop() == 0
-    counters = server.counters()
+    counters, attempted = server.counters(), writes_attempted(server)
     ledger.record(tried=counters["engine_failures"], ok=len(requests) - len(failed),
                   failed=len(failed), bytes_verified=verified, bytes_lost=lost)
-    # one failed write fails every request it batched: count the writes the reasons name
-    failed_writes = {re.search(r"injected failure \(write (\d+)", str(r.failure_exception()))[1]
-                     for r, _ in failed}
-    assert counters["engine_failures"] == len(failed_writes) >= 3 and lost == 0
-    assert counters["requests_ok"] == len(requests) - len(failed)
+    # every third write attempted failed, and each failed write failed the requests it batched:
+    # the writes the reasons name are exactly those
+    failed_writes = {int(re.search(r"injected failure \(write (\d+)", reason)[1])
+                     for reason in reasons.values()}
+    seen = (f"{attempted} writes attempted, failed writes named {sorted(failed_writes)}, "
+            f"counters {counters}, reasons {reasons}")
+    assert attempted >= len(singles), seen  # one write at least per wave
+    assert failed_writes == set(range(3, attempted + 1, 3)), seen
+    assert counters["engine_failures"] == attempted // 3, seen
+    assert counters["requests_ok"] == len(requests) - len(failed) and lost == 0, seen
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

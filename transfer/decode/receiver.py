@@ -171,7 +171,9 @@ class KVReceiver(RequestHandle):
         try:
             pages = as_page_ids(page_ids, "page_ids")
             index = None if index_page_ids is None else as_page_ids(index_page_ids, "index_page_ids")
-            context.page_limits.check(pages, index)
+            if pages.size or (self.aux_index is None and not prefix_tokens) or (
+                    index is not None and index.size):
+                context.page_limits.check(pages, index)  # (no page: decode holds them all)
         except PlanError as exc:
             raise ValueError(str(exc)) from None
         with context.lock:

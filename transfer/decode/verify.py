@@ -66,7 +66,7 @@ class ChunkVerifier:
             if self._views is None:
                 self._views = checksum.pool_views(self._pool)
             pages, index_pages = request.chunk_pages(done)
-            if pages.size or done.positions is None:  # (a share writer's last chunk may be empty)
+            if pages.size:  # (a share writer's last chunk, or a request of no page, is empty)
                 verified = checksum.verify_chunk(self._views, pages, done.checksums,
                                                  index_pages=index_pages,
                                                  kv_on_index_pages=self._kv_on_index_pages)

@@ -104,6 +104,14 @@ def _share_problem(sender: KVSender, pages: np.ndarray, positions: np.ndarray,
     return None
 
 
+def aux_only(request: protocol.RequestPages) -> bool:
+    """Whether decode announces no page for the request, only its aux slot or a prefix: its radix
+    cache holds the whole page-aligned prompt, and prefill's sender is ``init(0)`` (a page count
+    that differs fails the request). An empty list with neither is refused as empty."""
+    return (not request.dst_pages and not request.index_pages
+            and (request.aux_index >= 0 or request.prefix_tokens > 0))
+
+
 def _mismatch(destinations: Destinations, request: protocol.RequestPages) -> str | None:
     """Why another decode node's announcement of a request does not match the first one's."""
     if request.nothing_to_send or destinations.nothing_to_send:
@@ -156,8 +164,8 @@ class RequestBook:
             return sender
 
     def init_sender(self, sender: KVSender, num_pages: int, aux_index: int | None) -> None:
-        if num_pages <= 0:
-            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        if num_pages < 0:  # 0: decode holds every page already (``aux_only``)
+            raise ValueError(f"num_pages must not be negative, got {num_pages}")
         try:
             sender.aux_index = check_aux_index(self.aux_buffers, aux_index, "aux_index")
         except PlanError as exc:
@@ -181,8 +189,10 @@ class RequestBook:
             if sender.shares:
                 self._reporter.fail_locked(sender, "a whole chunk after a share of the pages")
                 return
+            # a request of no page: its one chunk is empty, the last (its aux slot alone)
+            empty_last = sender.num_pages == 0 and sender.shares is None
             sender.shares = False
-            if pages.size == 0 or sender.pages_sent + pages.size > sender.num_pages:
+            if (pages.size == 0 and not empty_last) or sender.pages_sent + pages.size > sender.num_pages:
                 self._reporter.fail_locked(
                     sender, f"chunk of {pages.size} pages after {sender.pages_sent} does not fit "
                     f"the request's {sender.num_pages} pages")
@@ -284,7 +294,7 @@ class RequestBook:
                 self._decode_gave_up_locked(room, mismatch)
                 return
         try:
-            dst, index = (np.empty(0, np.int64), None) if request.nothing_to_send else (
+            dst, index = (np.empty(0, np.int64), None) if request.nothing_to_send or aux_only(request) else (
                 check_destination(peer.pairs, request.dst_pages, request.index_pages,
                                   kv_page_zero=peer.kv_page_zero))
             aux = check_aux_index([p.dst for p in peer.aux_pairs], request.aux_index,

@@ -200,13 +200,15 @@ def test_help_exits_zero(capsys):
     assert "--concurrency" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("listen", ["127.0.0.1:0", "localhost:0"])
-def test_prefill_exits_cleanly_on_sigterm(listen):
-    """A long-lived prefill node stops on SIGTERM: exit code 0 and its counters on stderr. A host
-    name is resolved first (Mooncake takes numeric IPv4 only)."""
+@pytest.mark.parametrize(("listen", "verbose"), [("127.0.0.1:0", False), ("localhost:0", True)])
+def test_prefill_exits_cleanly_on_sigterm(listen, verbose):
+    """A long-lived prefill node stops on SIGTERM: exit code 0, its stand-in's line on stderr, and
+    its counters there only with --verbose. A host name is resolved first (Mooncake takes numeric
+    IPv4 only)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "dsa_bridge.transfer.launcher.cli", "prefill", "--listen", listen,
-         "--pool-tokens", "1024"], stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+         "--pool-tokens", "1024", *(["--verbose"] if verbose else [])],
+        stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     try:
         deadline = time.monotonic() + 60
         line = ""
@@ -217,7 +219,8 @@ def test_prefill_exits_cleanly_on_sigterm(listen):
         process.send_signal(signal.SIGTERM)
         assert process.wait(20) == 0
         rest = process.stderr.read()
-        assert "[prefill] counters:" in rest and "[prefill] stand-in model: filled 0 requests" in rest
+        assert "[prefill] stand-in model: filled 0 requests" in rest
+        assert ("[prefill] counters:" in rest) is verbose, rest
         assert "Traceback" not in rest
     finally:
         if process.poll() is None:
@@ -237,9 +240,10 @@ def decode_summary(**figures):
 
 def test_join_prefill_takes_the_transfer_from_pages_ready_to_success():
     times = {"7": [10.0, 12.0], "8": [10.5, 15.0]}
-    prefill = {"fill_bytes": 4_000_000, "fill_seconds": 2.0, "ready_at": {"7": 11.0, "8": 14.0}}
+    prefill = {"fill_bytes": 4_000_000, "fill_seconds": 2.0, "ready_at": {"7": 11.0, "8": 14.0},
+               "counters": {"chunks_sent": 2}}
     joined = join_prefill(decode_summary(request_times=times), prefill)
-    assert "request_times" not in joined
+    assert "request_times" not in joined and joined["prefill_counters"] == {"chunks_sent": 2}
     assert joined["transfer_seconds"] == 2.0  # [11, 12] and [14, 15]
     assert joined["gbps"] == 0.002 and joined["fill_gbps"] == 0.002 and joined["fill_seconds"] == 2.0
     unknown = join_prefill(decode_summary(request_times=times), {**prefill, "ready_at": {"7": 11.0}})
@@ -254,6 +258,9 @@ def test_summary_text_names_each_rate(capsys):
     assert "engine    2.00 GB/s" in text and "stand-in  0.30 GB/s" in text
     assert "requests  1.00 GB/s from decode's request to Success" in text
     assert "checking  0.50 GB/s decode checking every byte" in text
+    assert "checksums" not in text
+    print_summary(decode_summary(checksums=True, checksums_verified=122), as_json=False)
+    assert "checksums 122 page checksums verified end to end" in capsys.readouterr().out
     print_summary(decode_summary(), as_json=False)  # decode alone: no prefill times
     alone = capsys.readouterr().out
     assert "transfer " not in alone and "stand-in" not in alone and "requests  1.00" in alone
@@ -274,6 +281,8 @@ def test_demo_is_quiet_and_separates_transfer_from_filling(backend):
     assert "Traceback" not in result.stderr
     summary = json.loads(result.stdout)
     assert summary["requests_ok"] == 4 and "request_times" not in summary
+    assert "counters:" not in result.stderr  # the counters are in the JSON, not in the progress
+    assert summary["prefill_counters"] and summary["counters"]
     for key in ("gbps", "transfer_seconds", "engine_gbps", "fill_gbps", "fill_seconds",
                 "request_gbps", "request_seconds", "verify_gbps", "verify_seconds"):
         assert summary[key] > 0, key

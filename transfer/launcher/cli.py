@@ -76,6 +76,8 @@ def add_node_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--staging-mib", type=non_negative_int,
                         help="staging area for the staged route, registered at start (default: "
                              "256, or the pool's size if smaller; 0: none, every chunk direct)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="at exit, print the node's counters to stderr")
 
 
 def add_metrics_options(parser: argparse.ArgumentParser) -> None:
@@ -243,7 +245,8 @@ def cmd_prefill(args) -> int:
         serve_prefill(node, stop, chunk_pages=args.chunk_pages, report=report)
     finally:
         counters = node.counters.snapshot()
-        print(f"[prefill] counters: {counters}", file=sys.stderr, flush=True)
+        if args.verbose:
+            print(f"[prefill] counters: {counters}", file=sys.stderr, flush=True)
         print(f"[prefill] stand-in model: filled {report.requests} requests, "
               f"{report.fill_bytes / 1e9:.2f} GB in {report.fill_seconds:.2f}s "
               f"({report.fill_gbps:.2f} GB/s)", file=sys.stderr, flush=True)
@@ -310,6 +313,8 @@ def cmd_decode(args) -> int:
             "checksums_verified": node.counters.snapshot()["checksums_verified"],
             "counters": node.counters.snapshot(), "ok": report.ok,
         }
+    if args.verbose:
+        print(f"[decode] counters: {summary['counters']}", file=sys.stderr, flush=True)
     if args.summary_file:
         write_json_atomic(args.summary_file, {**summary, "request_times": report.times})
     else:

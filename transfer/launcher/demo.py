@@ -33,6 +33,8 @@ def node_arguments(args) -> list[str]:
         arguments.append("--checksums")
     if args.staging_mib is not None:
         arguments += ["--staging-mib", str(args.staging_mib)]
+    if args.verbose:
+        arguments.append("--verbose")
     return arguments
 
 

@@ -49,11 +49,13 @@ def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
 
 def join_prefill(summary: dict, prefill: dict) -> dict:
     """Decode's summary (with its ``request_times``: room -> [init, Success]) completed with what
-    the prefill process reported (``ready_at``: room -> time its pages were ready; fill totals).
-    The transfer figures stay null unless prefill's ready time of every timed request is known."""
+    the prefill process reported (``ready_at``: room -> time its pages were ready; fill totals;
+    its counters, as ``prefill_counters``). The transfer figures stay null unless prefill's ready
+    time of every timed request is known."""
     joined = {key: value for key, value in summary.items() if key != "request_times"}
     joined["fill_seconds"] = round(prefill["fill_seconds"], 3)
     joined["fill_gbps"] = round(gbps(prefill["fill_bytes"], prefill["fill_seconds"]), 3)
+    joined["prefill_counters"] = prefill["counters"]
     times = summary["request_times"]
     ready = prefill["ready_at"]
     if times and set(times) <= set(ready):
@@ -84,5 +86,7 @@ def print_summary(summary: dict, *, as_json: bool) -> None:
                  f"Success ({summary['request_seconds']:.2f}s busy), prefill's filling included")
     lines.append(f"  checking  {summary['verify_gbps']:.2f} GB/s decode checking every byte and "
                  f"resetting pages ({summary['verify_seconds']:.2f}s), not part of the transfer")
+    if summary.get("checksums"):
+        lines.append(f"  checksums {summary['checksums_verified']} page checksums verified end to end")
     lines += [f"  failed: {failure}" for failure in summary["failures"]]
     print("\n".join(lines), flush=True)

@@ -53,7 +53,7 @@ FOREIGN = {
     # NIXL 1.5.1
     "notif_msg",
     # the system: glibc, the kernel, sockets
-    "--list-tunables", "x86_non_temporal_threshold", "rtnl_tc_unregister", "in6addr_any",
+    "x86_non_temporal_threshold", "rtnl_tc_unregister", "in6addr_any",
 }
 
 PATH = re.compile(r"(?<![\w.:/-])((?:\.?[\w*-]+/)+[\w.*-]*|[\w*-]+\.(?:py|md|toml|json|png|so|cpp))"

@@ -8,8 +8,8 @@ descriptor), and decode scatters it into its pages, then tells prefill the slice
 
 - ``staging_size``: the bytes and slice size of a node's staging area from what was asked and the
   pool's size (at most ``DEFAULT_STAGING_BYTES``, and no more than the pool itself);
-- ``choose_route``: direct or staged for one chunk, from its descriptor count and average
-  descriptor size (``Thresholds``; or forced by the node's ``route``);
+- ``check_route``: a node's route (``auto`` weighs each chunk's routes by what they have cost:
+  ``route_costs.RouteCosts``);
 - ``slice_groups``: a chunk's pages cut into groups that each fill at most one slice;
   ``slice_offsets``: where each buffer's pages lie in a slice (buffer-major, pages in the chunk's
   order: both sides compute the same from the pair order and item lengths);
@@ -20,7 +20,6 @@ descriptor), and decode scatters it into its pages, then tells prefill the slice
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,28 +33,6 @@ DIRECT, STAGED = "direct", "staged"
 
 class StagingError(ValueError):
     """A staging configuration that cannot work, naming the option to change."""
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """``auto`` stages a chunk of at least ``min_descriptors`` descriptors averaging at most
-    ``max_average_bytes`` (the crossover measured on each engine: docs/benchmarks.md)."""
-
-    min_descriptors: int = 1024
-    max_average_bytes: int = 16 * 1024
-
-
-# Measured on each engine (docs/benchmarks.md, "The staged route"): DeepSeek-V3.2, 8K tokens,
-# descriptors of 1 to 16 pages, both routes in the same run. On the 2-core host measured, staging
-# was slower on both engines at every size (its gather and scatter compete with the engines'
-# copies for the CPU), so both keep TensorRT-LLM's thresholds, which no DSA chunk reaches (one page
-# per descriptor averages 25 KiB): auto stays direct. Re-measure on the host that serves.
-THRESHOLDS = {"mooncake": Thresholds(), "nixl": Thresholds()}
-
-
-def thresholds_for(backend: str) -> Thresholds:
-    """The crossover measured for engine ``backend`` (TensorRT-LLM's for another)."""
-    return THRESHOLDS.get(backend, Thresholds())
 
 
 def staging_size(requested: int | None, pool_bytes: int, slice_bytes: int | None = None,
@@ -108,16 +85,6 @@ def check_route(route: str) -> str:
     if route not in ROUTES:
         raise StagingError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
     return route
-
-
-def choose_route(route: str, descriptors: int, nbytes: int, thresholds: Thresholds) -> str:
-    """The route of one chunk: ``route`` when forced, else staged for many small descriptors."""
-    if check_route(route) != "auto":
-        return route
-    if descriptors >= thresholds.min_descriptors and (
-            nbytes <= descriptors * thresholds.max_average_bytes):
-        return STAGED
-    return DIRECT
 
 
 def slice_groups(num_pages: int, page_bytes: int, slice_bytes: int) -> list[tuple[int, int]]:

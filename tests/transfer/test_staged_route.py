@@ -28,7 +28,6 @@ from dsa_bridge.transfer.plan import pair_buffers
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.prefill.stager import Stager
 from dsa_bridge.transfer.request import KVPoll
-from dsa_bridge.transfer.staging import Thresholds
 from tests.faulty import FaultyBackend
 
 from ..conftest import clear_engine_environment, require_engine
@@ -225,8 +224,7 @@ def test_gather_runs_on_the_pool_device():
     pool = DSATokenToKVPool.from_layout(DSALayout.from_hf_config(SMALL_CONFIG), 64 * 32,
                                         device="cuda")
     fill_request(pool, 1, np.array([7, 2]))
-    stager = Stager(pool, None, None, route="staged", staging_bytes=4 * SLICE, slice_bytes=SLICE,
-                    thresholds=Thresholds())
+    stager = Stager(pool, None, None, route="staged", staging_bytes=4 * SLICE, slice_bytes=SLICE)
     pairs = pair_buffers(pool.buffer_descriptors(), pool.buffer_descriptors())
     nbytes = stager._gather(1, pairs, np.array([7, 2]))
     area = stager._area[SLICE:SLICE + nbytes]
@@ -272,3 +270,25 @@ def test_decode_refuses_a_slice_report_outside_its_share_or_the_request():
                 decode._scatter.slice_written_locked(peer, receiver, protocol.SliceWritten(*bad))
         assert receiver.scatters == 0
         assert sentinel_intact(decode.pool, np.arange(1, decode.pool.num_kv_pages))
+
+
+def test_auto_times_each_route_then_weighs_them(nodes):
+    """On ``auto`` a new node's first chunks of a size class go direct twice, then staged twice
+    (``route_costs.MIN_SAMPLES``); each is timed into the decode node's route costs (direct: its
+    engine write; staged: until decode freed its last slice), byte-exact either way."""
+    prefill, decode, backend, _ = nodes(slices=4, decode_slices=4)
+    prefill.route = "auto"
+    src, dst = PATTERNS["per_page"]  # 10 pages, each its own descriptor: 5 chunks of 2
+    sender, receiver = run(prefill, decode, 1, src, dst, chunks=5)
+    assert receiver.poll() == KVPoll.Success, receiver.failure_exception()
+    assert count_mismatches(decode.pool, 1, dst) == 0
+    (costs,) = prefill._stager._costs.values()  # one decode engine peer
+    (chunks,) = costs.classes.values()  # one size class: one page per descriptor
+    staged = chunks.chosen["staged"]
+    assert chunks.chosen["direct"] + staged == 5 and chunks.chosen["direct"] >= 2
+    assert staged in (2, 3)  # the fifth: the cheaper if both were timed when it was planned
+    assert receiver.descriptors == (5 - staged) * 2 * 8 + staged  # staged: 1 slice of 2 pages
+    assert decode.counters.snapshot()["staged_chunks"] == staged
+    wait_for(lambda: None not in costs.per_byte(16, 2 * LAYOUT_PAGE_BYTES).values(), 10,
+             "both routes timed")
+    assert all(v > 0 for v in costs.per_byte(16, 2 * LAYOUT_PAGE_BYTES).values())

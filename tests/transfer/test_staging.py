@@ -12,9 +12,8 @@ from dsa_bridge.transfer.staging import (
     MIB,
     SliceRing,
     StagingError,
-    Thresholds,
     check_area,
-    choose_route,
+    check_route,
     slice_groups,
     slice_offsets,
     split_area,
@@ -44,20 +43,9 @@ def test_split_area_gives_each_prefill_an_equal_share():
     assert split_area(9 * MIB, MIB, 2) == [(0, 4), (4 * MIB, 4)]
 
 
-@pytest.mark.parametrize("route, descriptors, nbytes, expected", [
-    ("auto", 1024, 1024 * 16 * 1024, "staged"),  # at both thresholds
-    ("auto", 1023, 1023 * 8 * 1024, "direct"),  # too few descriptors
-    ("auto", 4096, 4096 * 16 * 1024 + 1, "direct"),  # averaging just above the size
-    ("direct", 100_000, 100_000, "direct"),
-    ("staged", 1, 1 << 30, "staged"),
-])
-def test_choose_route(route, descriptors, nbytes, expected):
-    assert choose_route(route, descriptors, nbytes, Thresholds()) == expected
-
-
 def test_an_unknown_route_is_refused():
     with pytest.raises(StagingError, match="route must be one of"):
-        choose_route("fast", 1, 1, Thresholds())
+        check_route("fast")
 
 
 def test_slice_groups_cover_every_page_once_in_order():

@@ -141,13 +141,18 @@ def test_jobs_queued_for_one_peer_go_out_in_one_engine_write(rig):
 
 
 class OddRoomsStaged:
-    """Routes that stage the chunks of odd rooms (recording them) and write nothing for them."""
+    """Routes that stage the chunks of odd rooms (recording them) and write nothing for them,
+    and record what each direct chunk cost."""
 
     def __init__(self):
         self.staged: list[int] = []
+        self.costs: list[tuple[int, float]] = []
 
     def route_for(self, peer, plan):
         return "staged" if self.current % 2 else "direct"
+
+    def timed(self, peer, plan, seconds):
+        self.costs.append((plan.nbytes, seconds))
 
     def write(self, peer, room, offset, pages, plan, *, timeout_s, checksums):
         self.staged.append(room)
@@ -173,6 +178,11 @@ def test_a_lane_keeps_the_queue_order_across_routes(rig):
     assert [r.slices for r in results] == [0, 0, 0, 1, 0]
     assert routes.staged == [5]
     assert [n for _, n in engine.calls] == [6, 12, 6]
+    # each direct chunk's cost told to the routes: its bytes, its share of its batch's write
+    direct = [r for r in results if r.route == "direct"]
+    assert [n for n, _ in routes.costs] == [r.plan.nbytes for r in direct]
+    assert all(s >= r.seconds for (_, s), r in zip(routes.costs, direct, strict=True))
+    assert routes.costs[1][1] == pytest.approx(routes.costs[2][1], rel=0.5)  # one batch, halves
 
 
 def test_a_job_is_planned_when_submitted_while_the_lane_still_writes(rig, monkeypatch):

@@ -4,10 +4,13 @@ slices, the route of each chunk, and the staged write of a chunk.
 ``Stager`` owns one registered staging area on the pool's device (``staging.staging_size``:
 a ring of slices, registered with the node's other regions at start) and, for each staging area a
 decode node offered (``protocol.StagingArea``, keyed by its engine peer and address), the ring of
-that area's slices as prefill allocates them. ``route`` decides a chunk's route when the writer
-plans it (``staging.choose_route``: its descriptor count and sizes, or the node's forced route;
-direct whenever either side has no staging, or one page of every buffer does not fit a slice: a
-forced staged route not taken is logged once per decode node).
+that area's slices as prefill allocates them. ``route_for`` decides a chunk's route when the
+writer plans it: the node's forced route, or on ``auto`` the route that has cost less into that
+decode node for chunks of its size class (``route_costs.RouteCosts``, one per decode engine peer,
+from the direct writes' times the writer reports, ``timed``, and each staged chunk's time from
+the start of its write to decode freeing its last slice); direct whenever either side has no
+staging, or one page of every buffer does not fit a slice (a forced staged route not taken is
+logged once per decode node).
 
 ``write`` sends one chunk on the staged route, in the writer lane's thread. For each group of its
 pages that fills a slice (``staging.slice_groups``): take a slice of this node's area, gather the
@@ -41,19 +44,17 @@ from ...plugin.descriptors import BufferDescriptor, raw_region
 from .. import protocol
 from ..backends.base import BackendError, TransferBackend
 from ..plan import PairTable, WritePlan
+from ..route_costs import RouteCosts
 from ..slices import device_pages, gather, staging_for
 from ..staging import (
     DIRECT,
     STAGED,
     SliceRing,
     StagingError,
-    Thresholds,
     check_route,
-    choose_route,
     slice_groups,
     slice_offsets,
     staging_size,
-    thresholds_for,
 )
 from .checksums import ChunkChecksums
 from .records import DecodePeer
@@ -67,17 +68,26 @@ class StagingTimeout(BackendError):
     """No staging slice became free within the write's timeout."""
 
 
+class _StagedTiming:
+    """One staged chunk's clock: from the start of its write to decode freeing its last slice
+    (``left``: slices written and not freed yet; ``written``: the write returned)."""
+
+    def __init__(self, started: float, plan: WritePlan):
+        self.started, self.plan = started, plan
+        self.left = 0
+        self.written = False
+
+
 class Stager:
     """This node's staging area, decode's slice rings, and staged writes (module docstring)."""
 
     def __init__(self, pool, backend: TransferBackend, send: Send, *, route: str = "auto",
                  staging_bytes: int | None = None, slice_bytes: int | None = None,
-                 thresholds: Thresholds | None = None, fence_s: float = 35.0):
+                 fence_s: float = 35.0):
         pool_bytes = sum(b.nbytes for b in pool.buffer_descriptors())
         self.nbytes, self.slice_bytes = staging_size(staging_for(pool, staging_bytes), pool_bytes,
                                                      slice_bytes)
         self.route = check_route(route)
-        self.thresholds = thresholds or thresholds_for(backend.name)
         self.fence_s = fence_s
         self._pool = pool
         self._backend = backend
@@ -90,6 +100,8 @@ class Stager:
         self._views: dict | None = None
         self._gathers = ThreadPoolExecutor(1, thread_name_prefix="stager-gather")
         self._fell_back: set[str] = set()  # engine peers told of a forced route not taken
+        self._costs: dict[str, RouteCosts] = {}  # per decode engine peer
+        self._timings: dict[tuple[tuple[str, int], int], _StagedTiming] = {}  # by decode slice
 
     def regions(self) -> list[BufferDescriptor]:
         """The staging area to register with the engine (none when staging is off)."""
@@ -112,7 +124,28 @@ class Stager:
                                    f"({int(peer.pairs.item_len.sum())} bytes) does not fit a "
                                    f"staging slice ({min(self.slice_bytes, area.slice_bytes)} "
                                    f"bytes; raise --staging-mib)")
-        return choose_route(self.route, plan.descriptors, plan.nbytes, self.thresholds)
+        if self.route == STAGED:
+            return STAGED
+        with self._changed:
+            return self.costs(peer.engine_peer).choose(plan.descriptors, plan.nbytes)
+
+    def costs(self, engine_peer: str) -> RouteCosts:
+        """The routes' costs into one decode engine peer (the caller holds ``_changed``)."""
+        costs = self._costs.get(engine_peer)
+        if costs is None:
+            costs = self._costs[engine_peer] = RouteCosts()
+        return costs
+
+    def timed(self, peer: DecodePeer, plan: WritePlan, seconds: float) -> None:
+        """A chunk planned as ``plan`` was written direct into ``peer`` in ``seconds`` (the
+        writer's lane)."""
+        with self._changed:
+            self.costs(peer.engine_peer).observe(DIRECT, plan.descriptors, plan.nbytes, seconds)
+
+    def _staged_done(self, peer: DecodePeer, timing: _StagedTiming, now: float) -> None:
+        """A staged chunk's last slice is free and its write returned (holding ``_changed``)."""
+        self.costs(peer.engine_peer).observe(STAGED, timing.plan.descriptors, timing.plan.nbytes,
+                                             max(0.0, now - timing.started))
 
     def _fall_back(self, peer: DecodePeer, why: str) -> str:
         """The direct route, where the staged one cannot be taken: logged once per decode node
@@ -147,7 +180,9 @@ class Stager:
         except StagingError as exc:
             raise BackendError(self._backend.name, "write", str(exc), peer=peer.engine_peer) from exc
         ring = self._ring(peer)
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
+        timing = _StagedTiming(started, plan)
         written: list[tuple[np.ndarray, ...]] = []
         parts: list[np.ndarray] = []
         gathering: tuple[int, Future] | None = None
@@ -170,12 +205,24 @@ class Stager:
                 finally:
                     self._release(local)
                 written.append(arrays)
+                with self._changed:  # before decode can free it
+                    self._timings[self._ring_key(peer), remote] = timing
+                    timing.left += 1
                 self._send(protocol.SliceWritten(room, remote, offset + start, count),
                            peer.identity)
+        except BaseException:
+            with self._changed:  # a failed chunk's time says nothing of the route's cost
+                for key in [k for k, t in self._timings.items() if t is timing]:
+                    del self._timings[key]
+            raise
         finally:
             if gathering is not None:  # a write failed: let its next gather end first
                 wait([gathering[1]])
                 self._release(gathering[0])
+        with self._changed:
+            timing.written = True
+            if timing.left == 0:  # decode freed every slice already
+                self._staged_done(peer, timing, time.monotonic())
         joined = [np.concatenate([w[i] for w in written]) for i in range(3)]
         packed = sums.packed(pairs, parts, offset) if sums is not None else None
         return WritePlan(*joined, runs=plan.runs), len(groups), packed
@@ -256,15 +303,25 @@ class Stager:
         """Decode scattered ``slices`` of the area it offered ``peer``'s epoch."""
         if peer.staging is None:
             raise protocol.ProtocolError("SliceFree from a decode node that offered no staging")
-        ring = self._ring(peer)
+        ring, key = self._ring(peer), self._ring_key(peer)
+        now = time.monotonic()
         with self._changed:
             for index in slices:
                 if index in ring.in_use:  # (a fenced slice stays fenced)
                     ring.release(index)
+                timing = self._timings.pop((key, index), None)
+                if timing is not None:
+                    timing.left -= 1
+                    if timing.left == 0 and timing.written:
+                        self._staged_done(peer, timing, now)
             self._changed.notify_all()
 
+    @staticmethod
+    def _ring_key(peer: DecodePeer) -> tuple[str, int]:
+        return peer.engine_peer, peer.staging.ptr
+
     def _ring(self, peer: DecodePeer) -> SliceRing:
-        key = (peer.engine_peer, peer.staging.ptr)
+        key = self._ring_key(peer)
         with self._changed:
             ring = self._rings.get(key)
             if ring is None or ring.count != peer.staging.slices:

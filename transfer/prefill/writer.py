@@ -21,9 +21,11 @@ then the request counts the job in ``KVSender.busy``. The writer calls nothing e
 ``outcomes.ChunkReporter``.
 
 Each job also gets its route when it is planned (``stager.Stager.route_for``: direct, or staged
-through both sides' staging areas for many small descriptors). A lane keeps the queue's order:
+through both sides' staging areas where that has cost less). A lane keeps the queue's order:
 consecutive direct jobs go out in one engine write as above, a staged job in its own slices
-(``Stager.write``); its ``Result`` carries the descriptors actually written and the slices.
+(``Stager.write``); its ``Result`` carries the descriptors actually written and the slices. Each
+direct job written tells the routes what it cost (``Routes.timed``: its share of the batch's
+write and its own checksums), which ``auto`` weighs against the staged route's.
 
 A lane with nothing queued for ``idle_s`` ends its thread; the next job for that peer starts a
 new one.
@@ -117,6 +119,8 @@ class Routes(Protocol):
 
     def route_for(self, peer, plan: WritePlan) -> str: ...
 
+    def timed(self, peer, plan: WritePlan, seconds: float) -> None: ...
+
     def write(self, peer, room: int, offset: int, pages: np.ndarray, plan: WritePlan, *,
               timeout_s: float, checksums: PageSums
               ) -> tuple[WritePlan, int, protocol.PageChecksums | None]: ...
@@ -127,6 +131,9 @@ class DirectOnly:
 
     def route_for(self, peer, plan: WritePlan) -> str:
         return DIRECT
+
+    def timed(self, peer, plan: WritePlan, seconds: float) -> None:
+        """Nothing to weigh: every chunk goes direct."""
 
     def write(self, *args, **kwargs) -> tuple[WritePlan, int, None]:
         raise AssertionError("no staged route without a stager")
@@ -263,7 +270,7 @@ class Writer:
     def _write(self, peer: str, jobs: list[_Planned]) -> None:
         """Checksum every live planned job and write them in queue order: consecutive direct
         ones in one engine write, each staged one on its own; report each outcome."""
-        direct: list[tuple[Job, WritePlan, protocol.PageChecksums | None]] = []
+        direct: list[tuple[Job, WritePlan, protocol.PageChecksums | None, float]] = []
         for entry in jobs:
             job = entry.job
             if job.sender.state.status == KVPoll.Failed:
@@ -278,8 +285,10 @@ class Writer:
                 self._write_staged(job, entry.plan)
                 continue
             try:
+                started = time.perf_counter()
                 sums = None if job.chunk.pages.size == 0 else self._checksums.of_chunk(
                     job.destination.peer.pairs, job.chunk.pages, job.chunk.offset)
+                summing = time.perf_counter() - started
             except checksum.ChecksumError as exc:
                 self._report(Result(job, ok=False, reason=str(exc)))
                 continue
@@ -288,15 +297,17 @@ class Writer:
                 self._report(Result(job, ok=False, in_flight=True,
                                     reason=f"internal error: {type(exc).__name__}: {exc}"))
                 continue
-            direct.append((job, entry.plan, sums))
+            direct.append((job, entry.plan, sums, summing))
         self._write_batch(peer, direct)
 
-    def _write_batch(self, peer: str,
-                     planned: list[tuple[Job, WritePlan, protocol.PageChecksums | None]]) -> None:
-        """Write direct jobs in one engine write; report each outcome."""
+    def _write_batch(self, peer: str, planned: list[tuple[Job, WritePlan,
+                                                          protocol.PageChecksums | None, float]]
+                     ) -> None:
+        """Write direct jobs in one engine write; report each outcome, and what each cost
+        (``Routes.timed``)."""
         if not planned:
             return
-        plans = [plan for _, plan, _ in planned]
+        plans = [plan for _, plan, _, _ in planned]
         src, dst, length = join_plans(plans)
         try:
             started = time.perf_counter()
@@ -311,13 +322,15 @@ class Writer:
             log.exception("%s: writing a batch of %d chunks failed", self.name, len(planned))
             failed = (f"internal error: {type(exc).__name__}: {exc}", False)
         else:
-            for i, ((job, plan, sums), share) in enumerate(zip(planned, shares(seconds, plans),
-                                                               strict=True)):
+            for i, ((job, plan, sums, summing), share) in enumerate(
+                    zip(planned, shares(seconds, plans), strict=True)):
+                if plan.nbytes:
+                    self._routes.timed(job.destination.peer, plan, share + summing)
                 self._report(Result(job, ok=True, plan=plan, seconds=share, sums=sums,
                                     batch_index=i, batch_jobs=len(planned)))
             return
         reason, engine = failed
-        for i, (job, _, _) in enumerate(planned):
+        for i, (job, _, _, _) in enumerate(planned):
             self._report(Result(job, ok=False, reason=reason, in_flight=True, engine_failure=engine,
                                 batch_index=i, batch_jobs=len(planned)))
 

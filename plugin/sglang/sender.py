@@ -123,6 +123,14 @@ class DSABridgeKVSender(BaseKVSender):
         (``finalize_bootstrap``: ``start_send_idx``, and ``init`` counts only the rest)."""
         return 0 if self._sender is None else self._sender.decode_prefix_tokens
 
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        """sglang's prefill asks before each chunk (prefill.py ``_send_kv_chunk``): a chunk with
+        pages, and the last one even without (it carries the aux slot: the first token), as
+        sglang's own senders answer (common/conn.py). A decode radix-cache hit covering the
+        whole page-aligned prompt makes a request of no page: ``init(0)``, then that empty last
+        chunk alone."""
+        return num_pages > 0 or last_chunk
+
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         if self._dummy is not None:
             self._dummy.init(int(num_kv_indices))

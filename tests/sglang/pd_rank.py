@@ -378,6 +378,8 @@ def compare(cfg: dict, pool, metadata, receiver, draft=None) -> dict:
     result["buffers"] = sorted(got)
     result["mismatched"] = [k for k in got if not bool((got[k][dst] == want[k][src]).all())]
     result["others_sentinel"] = all(bool((got[k][others] == SENTINEL).all()) for k in got)
+    held = cfg["dst_pages"][:skip]  # decode's prefix pages: never written
+    result["prefix_sentinel"] = all(bool((got[k][held] == SENTINEL).all()) for k in got)
     aux_got, aux_want = aux_views(metadata), aux_views(expected_meta)
     result["aux_exact"] = all(bool((g[cfg["dst_aux"]] == w[cfg["src_aux"]]).all())
                               for g, w in zip(aux_got, aux_want, strict=True))

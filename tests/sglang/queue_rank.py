@@ -20,12 +20,14 @@ first token, ``checkpoint_disagg_prefill``, the inflight queue), for the last on
 fails in the bootstrap queue goes through sglang's own ``handle_bootstrap_failure``; with
 ``prefill_abort_after_s`` the client aborts it there first, as the scheduler aborts a
 bootstrap-queue request (scheduler.py ~5743: ``disagg_kv_sender.abort()``). With
+``aligned`` the prompt is whole pages (a decode radix-cache hit may cover it all). With
 ``optimistic_attempts`` (sglang's ``--optimistic-prefill-attempts``) ``pop_bootstrapped`` lets
 the request prefill while it still bootstraps: sglang's ``check_bootstrap`` holds the first chunk
 back and its inflight queue parks the request until decode's pages arrive.
 
-``queue-decode``: ``transfer`` and ``prefill-abort``: ``release_rank.queued_request``
-(receiver, ``init``, ``send_metadata``; ``metadata_after_s`` late), polled to the end with
+``queue-decode``: ``transfer``, ``full-hit`` and ``prefill-abort``: ``release_rank.queued_request``
+(receiver, ``init``, ``send_metadata`` of the pages after ``prefix_tokens``; ``metadata_after_s``
+late), polled to the end with
 sglang's ``poll_and_all_reduce``, then the bytes compared with what prefill wrote (the aux slot:
 the prefill's earlier bytes under sglang's ``set_buf`` of the same request); ``decode-abort``
 (first: its queue sets up the process's gloo world): the request in sglang's own
@@ -55,8 +57,10 @@ HELD_SLOTS = 3  # metadata slots other requests hold: this request gets the next
 
 
 def prompt(cfg: dict) -> array:
-    """The request's input (sglang's token array): its last page partial."""
-    return array("q", range(1, (len(cfg["src_pages"]) - 1) * PAGE + 11))
+    """The request's input (sglang's token array): its last page partial, or with ``aligned``
+    whole pages (what a decode radix-cache hit covers entirely)."""
+    pages = len(cfg["src_pages"])
+    return array("q", range(1, pages * PAGE + 1 if cfg.get("aligned") else (pages - 1) * PAGE + 11))
 
 
 def prefill_req(cfg: dict):
@@ -210,7 +214,8 @@ def run_prefill(cfg: dict, server_args) -> dict:
         parked_steps += req.pending_bootstrap
         done = scheduler.process_disagg_prefill_inflight_queue()  # the event loop's step
         time.sleep(0.005)
-    result["parked_steps"] = parked_steps
+    result.update(parked_steps=parked_steps, init_pages=req.disagg_kv_sender._num_pages,
+                  chunks_sent=len(req.disagg_kv_sender._sent))
     counters = manager.node.counters.snapshot()
     finished = req.finished_reason
     result.update(
@@ -253,7 +258,8 @@ def run_decode_transfer(cfg: dict, server_args) -> dict:
 
     sent = time.monotonic()
     wait_for(done, 60, "the transfer queue's end")
-    result = {"poll": int(receiver.poll()), "ended_after_s": time.monotonic() - sent}
+    result = {"poll": int(receiver.poll()), "ended_after_s": time.monotonic() - sent,
+              "receiver_pages": int(receiver._receiver.page_ids.size)}
     if receiver.poll() == KVPoll.Failed:
         result["reason"] = pd_rank.reason_of(receiver)
         side.manager.shutdown()

@@ -114,9 +114,10 @@ def queued_request(cfg: dict, server_args, group, info_wait_s: float = 180,
     wait_for(lambda: manager.try_ensure_parallel_info(addr), info_wait_s, "prefill parallel info")
     receiver.init(0)
     wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput, bootstrap_wait_s, "decode bootstrap")
-    dst = cfg["dst_pages"]
+    prefix = cfg.get("prefix_tokens", 0)  # decode's radix cache: its pages are not asked for
+    dst = cfg["dst_pages"][prefix // 64:]
     idx = queue.req_to_metadata_buffer_idx_allocator.alloc()
-    receiver.send_metadata(dst, idx, [dst])
+    receiver.send_metadata(dst, idx, [dst], decode_prefix_len=prefix)
     decode_req = DecodeRequest(req=make_req("r", cfg["port"], room), kv_receiver=receiver,
                                metadata_buffer_index=idx)
     queue.add(decode_req)

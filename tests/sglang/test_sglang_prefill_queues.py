@@ -14,6 +14,10 @@ the real sglang on the CPU, prefill and decode each its own process, both engine
 - the client aborts the request at prefill while it waits in sglang's bootstrap queue (the
   scheduler's ``disagg_kv_sender.abort()``): sglang's ``handle_bootstrap_failure`` again, and
   decode's request, whose pages come later, fails at once with the reason;
+- a decode radix-cache hit covering the whole page-aligned prompt (``decode_prefix_len`` its
+  length, no page asked for): sglang's ``finalize_bootstrap`` calls ``init(0)``, its
+  ``send_kv_chunk`` asks ``should_send_kv_chunk(0, last_chunk=True)`` and sends the empty last
+  chunk; only the aux slot moves (the first token delivered), no page of decode's is written;
 - optimistic prefill (``--optimistic-prefill-attempts``): the request prefilled before decode's
   pages arrive, parked in sglang's inflight queue, then sent whole: byte-exact.
 
@@ -39,14 +43,15 @@ if SGLANG_MISSING:
 
 MODEL = {"layers": 4, "model_layers": 4, "kv_cache_dim": 656}
 ENGINES = ["mooncake", "nixl"]
+SRC_PAGES = [3, 4, 5, 6, 7]  # sglang's paged allocator, after another request's pages 1-2
 SCENARIOS = {  # decode's abort first: its prealloc queue sets up the process's gloo world
     "decode-abort": {"abort_after_s": 1.0, "linger_s": 3.0},
     "prefill-abort": {"prefill_abort_after_s": 0.5, "metadata_after_s": 2.0, "linger_s": 5.0},
     "transfer": {},
+    "full-hit": {"aligned": True, "prefix_tokens": len(SRC_PAGES) * 64},
     "optimistic": {"optimistic_attempts": 1, "metadata_after_s": 1.0},
     "prefill-complete": {"policy": "prefill_complete", "optimistic_attempts": 1, "forward_after_s": 1.0},
 }
-SRC_PAGES = [3, 4, 5, 6, 7]  # sglang's paged allocator, after another request's pages 1-2
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +93,21 @@ def test_sglang_prefill_queues_move_a_request_byte_exact(queues, engine):
     assert decode["first_token"] == 4242 and decode["room"] == 2**62 + 12345
     page_bytes = 64 * (656 + 132)
     assert decode["nbytes"] == prefill["bytes"] == len(SRC_PAGES) * page_bytes * 4 + decode["aux_bytes"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_whole_prompt_decode_holds_moves_only_the_first_token(queues, engine):
+    prefill, decode = queues(engine)["full-hit"]
+    assert prefill["start_send_idx"] == len(SRC_PAGES) * 64  # sglang's finalize_bootstrap
+    assert prefill["init_pages"] == 0 and prefill["chunks_sent"] == 1  # the empty last chunk
+    assert prefill["done"] == prefill["streamed"] and prefill["poll"] == 4
+    assert prefill["pages_released"] and prefill["slot_released"] and prefill["row_released"]
+    assert decode["poll"] == 4, decode.get("reason")
+    assert decode["receiver_pages"] == 0
+    assert decode["prefix_sentinel"] and decode["others_sentinel"]  # no page written
+    assert decode["aux_exact"] and decode["aux_others_sentinel"]
+    assert decode["first_token"] == 4242 and decode["room"] == 2**62 + 12345
+    assert decode["nbytes"] == prefill["bytes"] == decode["aux_bytes"]
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -3,11 +3,12 @@ import cycles, relative imports inside the package, and the facade a user import
 
 The layers, bottom up (docs/architecture.md):
 
-0. the pool: geometry, descriptors, sizing, the pool (``plugin/``, its ``sglang/`` excepted);
+0. the pool: geometry, descriptors, sizing, the pool (``plugin/``, its ``sglang/`` and ``vllm/``
+   excepted);
 1. the transfer core: planning, protocol, engines, control plane, nodes (``transfer/``, its
    ``launcher/`` and ``bench/`` excepted);
-2. the integrations and tools: the SGLang adapter (``plugin/sglang/``), the launcher
-   (``transfer/launcher/``) and the bench (``transfer/bench/``).
+2. the integrations and tools: the SGLang adapter (``plugin/sglang/``), the vLLM connector
+   (``plugin/vllm/``), the launcher (``transfer/launcher/``) and the bench (``transfer/bench/``).
 
 A module may import its own layer or one below, never one above.
 """
@@ -22,7 +23,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"plugin": "dsa_bridge.plugin", "transfer": "dsa_bridge.transfer"}
-TOP = ("dsa_bridge.plugin.sglang", "dsa_bridge.transfer.launcher", "dsa_bridge.transfer.bench")
+TOP = ("dsa_bridge.plugin.sglang", "dsa_bridge.plugin.vllm", "dsa_bridge.transfer.launcher",
+       "dsa_bridge.transfer.bench")
 
 
 def module_name(path: Path) -> str:

@@ -18,9 +18,12 @@ scheduler thread and with a deadline:
   ``EVENT_POLL_S`` and hands the chunks to the node in order, or aborts the request with the
   reason. A request that failed meanwhile (aborted by sglang) has its chunks dropped unread.
 
-sglang's other readiness signal, ``send(..., indices_event=...)``, is given only to senders that
-declare ``supports_host_tensor_indices`` (page indices still being copied from the GPU);
-dsa-bridge's sender does not, so it always gets its page indices as a finished array.
+sglang's other readiness signal, ``send(..., indices_event=...)``: a sender that declares
+``supports_host_tensor_indices`` gets each chunk's page indices as a pinned host tensor still
+being copied from the GPU, and the CUDA event after that copy (prefill.py ``_send_kv_chunk``),
+so that sglang's scheduler thread never waits on a blocking ``.cpu()``. dsa-bridge's sender
+declares it where the pool is on a GPU, and hands such a chunk on as a ``LazyChunk``: held here
+until both events completed (``AllEvents``), and only then are its page indices read.
 """
 
 from __future__ import annotations
@@ -75,7 +78,10 @@ class HeldChunks:
                     return ready, (
                         f"the forward writing {len(head.pages)} page(s) sent early had not "
                         f"finished {head.wait_s:g}s after sglang's early send (its "
-                        "_early_send_wait_event): their pages were never read")
+                        "_early_send_wait_event)" + (
+                            ", or their page indices' copy to the host (its indices_event)"
+                            if isinstance(head.pages, LazyChunk) else "")
+                        + ": their pages were never read")
                 break
             ready.append(self._chunks.popleft().pages)
         return ready, None
@@ -94,8 +100,42 @@ class ShareChunk:
         return len(self.pages)
 
 
+@dataclass(frozen=True)
+class LazyChunk:
+    """A chunk whose page indices may be read only once its events completed (sglang's host
+    copy of them): ``count`` pages; ``make()`` reads them and gives page ids, a ``ShareChunk``,
+    or None (the request failed on them: nothing to hand on)."""
+
+    count: int
+    make: Callable[[], object]
+
+    def __len__(self) -> int:
+        return self.count
+
+
+@dataclass(frozen=True)
+class AllEvents:
+    """Several of sglang's CUDA events as one: completed once each has (``query()``)."""
+
+    events: tuple
+
+    def query(self) -> bool:
+        return all(event.query() for event in self.events)
+
+
+def joined(*events):
+    """The events that are not None as one: None, the one, or ``AllEvents``."""
+    given = tuple(event for event in events if event is not None)
+    return None if not given else given[0] if len(given) == 1 else AllEvents(given)
+
+
 def hand_on(sender, chunk) -> None:
-    """Give the node's ``sender`` a chunk: a ``ShareChunk``, or page ids."""
+    """Give the node's ``sender`` a chunk: a ``LazyChunk`` (read now), a ``ShareChunk``, or page
+    ids."""
+    if isinstance(chunk, LazyChunk):
+        chunk = chunk.make()
+        if chunk is None:
+            return
     if isinstance(chunk, ShareChunk):
         sender.send_share(chunk.pages, chunk.positions, chunk.through)
     else:

@@ -180,6 +180,8 @@ class DSABridgeKVManager(BaseKVManager):
         # sglang's default CP mode: a prefill CP rank other than 0 writes nothing, its senders end
         # without decode (with layer split every CP rank writes its layers, with a page split
         # its share)
+        # sglang's name: each CP rank sends (its share); sglang then copies page indices itself
+        self.enable_all_cp_ranks_for_transfer = self.page_share is not None
         self.is_dummy_cp_rank = prefill and dummy_cp_rank(
             self.attn_cp_size, self.attn_cp_rank, layer_split, self.page_share is not None)
         start = (getattr(args, "prefill_start_layer", 0) or 0) if prefill else self._stage_start(args)
@@ -190,7 +192,10 @@ class DSABridgeKVManager(BaseKVManager):
                                    draft_entries(args), self.backend)
         if problem:
             raise ValueError(problem)
-        info = pointer_info(_cuda())  # each buffer registered as the memory its pointer is
+        cuda = _cuda()
+        info = pointer_info(cuda)  # each buffer registered as the memory its pointer is
+        # senders take page indices still being copied to the host (sender.py)
+        self.host_tensor_indices = prefill and cuda
         self.bridge = bridge_buffers(args, start_layer=start,
                                      device_of=lambda ptr: kind_of(ptr, info(ptr)).device,
                                      split_devices=self.hisparse)

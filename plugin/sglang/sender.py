@@ -30,7 +30,7 @@ from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_parallel
 
 from .bringup import backend_of, dp_route, sglang_class
-from .early_send import ShareChunk
+from .early_send import LazyChunk, ShareChunk, joined
 from .failures import ANOTHER_RANK_FAILED, TERMINAL, FailedRequest, state_problem
 from .manager import DSABridgeKVManager
 from .phases import PhaseClock
@@ -77,7 +77,8 @@ class DSABridgeKVSender(BaseKVSender):
         self.kv_mgr = mgr
         self.bootstrap_addr = bootstrap_addr
         self.bootstrap_room = bootstrap_room
-        self._sent: list[np.ndarray] = []
+        self._sent: list[np.ndarray] = []  # each chunk's page ids, once read
+        self._queued = 0  # the pages of the chunks ``send`` got (read or not yet)
         self._num_pages = 0  # ``init``'s: the request's pages (those after decode's prefix)
         self._early_send_wait_event = None  # sglang sets it before an early send (prefill.py)
         self._phases = PhaseClock("prefill", mgr.phase_limits, time.monotonic(),  # sglang's deadlines
@@ -142,27 +143,45 @@ class DSABridgeKVSender(BaseKVSender):
         except ValueError as exc:
             self._sender.abort(f"bad init: {exc}")
 
-    def send(self, kv_indices, state_indices=None, num_kv_tokens=None) -> None:
+    @property
+    def supports_host_tensor_indices(self) -> bool:
+        """Whether sglang gives ``send`` each chunk's page indices as a pinned host tensor still
+        being copied from the GPU, with the event after the copy (``indices_event``), instead of
+        copying them on its scheduler thread with a blocking ``.cpu()``: where the pool is on a
+        GPU (``mgr.host_tensor_indices``; on the CPU there is no copy to wait for)."""
+        return self.kv_mgr.host_tensor_indices
+
+    def send(self, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None) -> None:
+        """A chunk of the request's page indices: handed to the node now, or, where sglang's
+        events say its pages are still being written (an early send) or its indices still being
+        copied to the host (``indices_event``), once those completed (``early_send``): never
+        waited for on sglang's scheduler thread, and the indices read only then."""
         if self._dummy is not None:
             self._early_send_wait_event = None
             self._dummy.sent(len(kv_indices))
         if self._sender is None:
             return
+        start, count = self._queued, len(kv_indices)
+        self._queued += count
+        event, self._early_send_wait_event = joined(self._early_send_wait_event, indices_event), None
+        chunk = LazyChunk(count, lambda: self._chunk(kv_indices, state_indices, start))
+        self.kv_mgr.early_sends.send(self._sender, chunk, event)
+
+    def _chunk(self, kv_indices, state_indices, start: int):
+        """The chunk the node gets, its page indices read now (they are ready): page ids, or this
+        rank's share of them (``ShareChunk``); None where sglang's DSA state indices are not the
+        request's pages (the request fails, naming why)."""
         pages = np.asarray(kv_indices, dtype=np.int64)
-        start = sum(sent.size for sent in self._sent)
         self._sent.append(pages)
         if state_indices is not None:
             problem = state_problem(state_indices, np.concatenate(self._sent))
             if problem:
                 self._sender.abort(problem)
-                return
-        # an early send's pages may still be being written by a forward: sglang's event says when
-        # they are done (``early_send``); never waited for on sglang's scheduler thread
-        event, self._early_send_wait_event = self._early_send_wait_event, None
+                return None
         share = self.kv_mgr.page_share
         if share is not None:  # this rank's share of the chunk
-            pages = ShareChunk(*share.of_chunk(pages, start, self._num_pages), start + pages.size)
-        self.kv_mgr.early_sends.send(self._sender, pages, event)
+            return ShareChunk(*share.of_chunk(pages, start, self._num_pages), start + pages.size)
+        return pages
 
     def poll(self) -> KVPoll:
         """The request's status; a phase past its sglang bound (``phases``) fails it, naming the

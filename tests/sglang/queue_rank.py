@@ -41,6 +41,7 @@ sglang's own prealloc queue, ready for its pages only once the prefill finished 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from array import array
 from pathlib import Path
@@ -51,6 +52,7 @@ from tests.sglang import pd_rank, prealloc_rank, release_rank
 from tests.transfer.helpers import wait_for
 
 PAGE = 64
+HOST_COPY_S = 1.0  # how long the host copy of a chunk's page indices takes (``host_copy_stand_in``)
 FIRST_TOKEN = 4242  # the token prefill's forward samples: sglang sends it in the aux slot
 HELD_PAGES = 2  # pages another request holds: this request's pages come after them
 HELD_SLOTS = 3  # metadata slots other requests hold: this request gets the next
@@ -135,6 +137,49 @@ def bootstrap_queue(cfg: dict, server_args):
     return queue, scheduler, streamed
 
 
+@contextlib.contextmanager
+def host_copy_stand_in(manager, sender, result: dict):
+    """sglang's host page indices (``supports_host_tensor_indices``) on the CPU: the manager
+    declares them as it does over a GPU pool; sglang's ``torch.cuda.Event`` after the copy is a
+    stand-in that completes ``HOST_COPY_S`` after its ``record`` (the copy in flight), and
+    ``pin_memory`` is dropped (no pinned allocator without a GPU). Recorded: what each of
+    sglang's ``send`` calls gave (``sends``: the indices' type and device, whether an event came,
+    the node's pages handed on when ``send`` returned), and how often sglang's blocking
+    ``kv_to_page_indices`` ran (``blocking_copies``)."""
+    import sglang.srt.disaggregation.prefill as sglang_prefill
+    import torch
+
+    class CopyEvent:
+        def record(self, stream=None) -> None:
+            self.done_at = time.monotonic() + HOST_COPY_S
+
+        def query(self) -> bool:
+            return time.monotonic() >= self.done_at
+
+    saved = torch.cuda.Event, torch.cuda.current_stream, torch.empty, sglang_prefill.kv_to_page_indices
+    empty, blocking, send = torch.empty, saved[3], sender.send
+    result.update(sends=[], blocking_copies=0)
+
+    def copied(*args, **kwargs):
+        result["blocking_copies"] += 1
+        return blocking(*args, **kwargs)
+
+    def recorded(kv_indices, *args, indices_event=None, **kwargs):
+        send(kv_indices, *args, indices_event=indices_event, **kwargs)
+        result["sends"].append([type(kv_indices).__name__, str(getattr(kv_indices, "device", "")),
+                                indices_event is not None, sender._sender.pages_sent])
+
+    manager.host_tensor_indices = True
+    torch.cuda.Event, torch.cuda.current_stream = CopyEvent, lambda device=None: None
+    torch.empty = lambda *args, pin_memory=False, **kwargs: empty(*args, **kwargs)
+    sglang_prefill.kv_to_page_indices, sender.send = copied, recorded
+    try:
+        yield
+    finally:
+        torch.cuda.Event, torch.cuda.current_stream, torch.empty = saved[:3]
+        sglang_prefill.kv_to_page_indices = blocking
+
+
 def forward(scheduler, req, cfg: dict) -> list[int]:
     """The forward stand-in: the request's row and pages from sglang's own allocators (what
     ``alloc_for_extend`` does for a batch, which needs a model's ``ScheduleBatch``), then the
@@ -190,6 +235,25 @@ def run_prefill(cfg: dict, server_args) -> dict:
         server.close()
         return result
     result.update(metadata_slot=req.metadata_buffer_index, start_send_idx=req.start_send_idx)
+    with (host_copy_stand_in(manager, req.disagg_kv_sender, result) if cfg.get("host_indices")
+          else contextlib.nullcontext()):
+        transfer(scheduler, req, cfg, result)
+    counters = manager.node.counters.snapshot()
+    finished = req.finished_reason
+    result.update(
+        inflight=len(scheduler.disagg_prefill_inflight_queue), poll=int(req.disagg_kv_sender.poll()),
+        finished=type(finished).__name__ if finished else None, streamed=[r.rid for r in streamed],
+        bytes=counters["bytes"], pages_released=allocator.available_size() == free_pages,
+        slot_released=metadata_slots.available_size() == free_slots and req.metadata_buffer_index == -1,
+        row_released=not req.kv.holds_kv, pending_chunks=sorted(scheduler.disagg_prefill_pending_chunk_rids))
+    manager.shutdown()
+    server.close()
+    return result
+
+
+def transfer(scheduler, req, cfg: dict, result: dict) -> None:
+    """The request after its bootstrap: the forward, sglang's ``send_kv_chunk`` for a first and
+    the last chunk, then sglang's inflight queue until the request leaves it."""
     if cfg.get("added_file"):  # decode's request is in its queue before this prefill computes it
         wait_for(lambda: Path(cfg["added_file"]).exists(), 120, "decode's request")
     time.sleep(cfg.get("forward_after_s", 0))  # the prefill's queue and its computation take time
@@ -215,19 +279,7 @@ def run_prefill(cfg: dict, server_args) -> dict:
         done = scheduler.process_disagg_prefill_inflight_queue()  # the event loop's step
         time.sleep(0.005)
     result.update(parked_steps=parked_steps, init_pages=req.disagg_kv_sender._num_pages,
-                  chunks_sent=len(req.disagg_kv_sender._sent))
-    counters = manager.node.counters.snapshot()
-    finished = req.finished_reason
-    result.update(
-        done=[r.rid for r in done], inflight=len(scheduler.disagg_prefill_inflight_queue),
-        poll=int(req.disagg_kv_sender.poll()), finished=type(finished).__name__ if finished else None,
-        streamed=[r.rid for r in streamed], bytes=counters["bytes"],
-        pages_released=allocator.available_size() == free_pages,
-        slot_released=metadata_slots.available_size() == free_slots and req.metadata_buffer_index == -1,
-        row_released=not req.kv.holds_kv, pending_chunks=sorted(scheduler.disagg_prefill_pending_chunk_rids))
-    manager.shutdown()
-    server.close()
-    return result
+                  chunks_sent=len(req.disagg_kv_sender._sent), done=[r.rid for r in done])
 
 
 def expected_aux(cfg: dict):

@@ -18,6 +18,10 @@ the real sglang on the CPU, prefill and decode each its own process, both engine
   length, no page asked for): sglang's ``finalize_bootstrap`` calls ``init(0)``, its
   ``send_kv_chunk`` asks ``should_send_kv_chunk(0, last_chunk=True)`` and sends the empty last
   chunk; only the aux slot moves (the first token delivered), no page of decode's is written;
+- host page indices (``supports_host_tensor_indices``, as over a GPU pool): sglang's
+  ``send_kv_chunk`` hands each chunk's indices over as a host tensor still being copied, with
+  the event after the copy, and never runs its blocking ``kv_to_page_indices``; dsa-bridge's
+  sender reads them only once the event completed: byte-exact;
 - optimistic prefill (``--optimistic-prefill-attempts``): the request prefilled before decode's
   pages arrive, parked in sglang's inflight queue, then sent whole: byte-exact.
 
@@ -49,6 +53,7 @@ SCENARIOS = {  # decode's abort first: its prealloc queue sets up the process's 
     "prefill-abort": {"prefill_abort_after_s": 0.5, "metadata_after_s": 2.0, "linger_s": 5.0},
     "transfer": {},
     "full-hit": {"aligned": True, "prefix_tokens": len(SRC_PAGES) * 64},
+    "host-indices": {"host_indices": True},
     "optimistic": {"optimistic_attempts": 1, "metadata_after_s": 1.0},
     "prefill-complete": {"policy": "prefill_complete", "optimistic_attempts": 1, "forward_after_s": 1.0},
 }
@@ -108,6 +113,20 @@ def test_a_whole_prompt_decode_holds_moves_only_the_first_token(queues, engine):
     assert decode["aux_exact"] and decode["aux_others_sentinel"]
     assert decode["first_token"] == 4242 and decode["room"] == 2**62 + 12345
     assert decode["nbytes"] == prefill["bytes"] == decode["aux_bytes"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_page_indices_arrive_as_host_arrays_read_once_their_copy_completed(queues, engine):
+    prefill, decode = queues(engine)["host-indices"]
+    assert prefill["blocking_copies"] == 0  # sglang's blocking copy never ran
+    assert [send[:3] for send in prefill["sends"]] == [["Tensor", "cpu", True]] * 2
+    assert prefill["sends"][0][3] == 0  # nothing handed on while the copy was in flight
+    assert prefill["done"] == prefill["streamed"] and prefill["poll"] == 4
+    assert prefill["pages_released"] and prefill["slot_released"] and prefill["row_released"]
+    assert decode["poll"] == 4, decode.get("reason")
+    assert decode["mismatched"] == [] and decode["others_sentinel"]
+    assert decode["aux_exact"] and decode["first_token"] == 4242
+    assert decode["nbytes"] == prefill["bytes"]
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -36,6 +36,7 @@ from .bringup import (
 from .mixed import marked_route_query
 from .paged_buffers import PagedBuffers
 from .phases import PhaseLimits
+from .tuning import HEARTBEAT_S, PEER_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class DecodeNodes:
                  engine_options: dict, secret, checksums: bool, phase_limits: PhaseLimits,
                  allocation_policy: str, attn_tp_size: int, attn_tp_rank: int, attn_dp_rank: int,
                  pp_size: int, pp_rank: int, memory_released: Callable[[], bool],
-                 kv_page_zero: bool = False, kv_on_index_pages: Sequence[int] = ()):
+                 kv_page_zero: bool = False, kv_on_index_pages: Sequence[int] = (),
+                 peer_timeout_s: float = PEER_TIMEOUT_S, heartbeat_s: float = HEARTBEAT_S):
         self.kv_args, self.pool, self.aux_buffers = kv_args, pool, aux_buffers
         self.backend, self.local_ip, self.engine_options = backend, local_ip, engine_options
         self.secret, self.checksums, self.phase_limits = secret, checksums, phase_limits
@@ -70,6 +72,7 @@ class DecodeNodes:
         self.kv_page_zero = kv_page_zero  # the KV in a pool without a padding page (HiSparse)
         self.kv_on_index_pages = kv_on_index_pages  # KV layers at the indexer's pages (its draft)
         self.memory_released = memory_released
+        self.peer_timeout_s, self.heartbeat_s = peer_timeout_s, heartbeat_s  # (tuning.py)
         self.clock = time.monotonic  # the backoff's clock
         self._lock = threading.Lock()
         self.nodes: dict[tuple[str, int], DecodeNode] = {}
@@ -275,6 +278,7 @@ class DecodeNodes:
                               request_timeout_s=self.phase_limits.node_timeout_s,
                               in_flight_grace_s=IN_FLIGHT_GRACE_S,
                               quarantine_timeout_s=QUARANTINE_TIMEOUT_S,
+                              peer_timeout_s=self.peer_timeout_s, heartbeat_s=self.heartbeat_s,
                               aux_buffers=self.aux_buffers, secret=self.secret,
                               checksums=self.checksums, staging_bytes=STAGING_BYTES,
                               kv_page_zero=self.kv_page_zero,

@@ -116,6 +116,7 @@ from .paged_buffers import PagedBuffers
 from .phases import PhaseLimits
 from .pool import stage_start_layer
 from .stage_consensus import StageConsensus
+from .tuning import TUNING_ENVS, heartbeat_line, ignored_lines, read_tuning
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +214,12 @@ class DSABridgeKVManager(BaseKVManager):
         self.enable_deferred_decode_kv_release = bool(
             envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get()
             and self.supports_deferred_decode_kv_release)
+        # sglang's tuning variables: its heartbeat honoured, the others named as ignored (tuning.py)
+        self.tuning = read_tuning({name: getattr(envs, name).get() for name in TUNING_ENVS
+                                   if getattr(envs, name).is_set()})
+        log.info("dsa-bridge: %s", heartbeat_line(self.tuning))
+        for line in ignored_lines(self.tuning):
+            log.warning("dsa-bridge: %s", line)
         self._lock = threading.Lock()
         self.node: PrefillNode | None = None
         self.prefill_aborts: PrefillAborts | None = None  # decode: sglang's own prefills told
@@ -226,7 +233,8 @@ class DSABridgeKVManager(BaseKVManager):
             attn_tp_rank=self.attn_tp_rank, attn_dp_rank=self.attn_dp_rank, pp_size=self.pp_size,
             kv_page_zero=self.hisparse,
             kv_on_index_pages=self.kv_on_index_pages,
-            pp_rank=self.pp_rank, memory_released=lambda: self.memory_released)
+            pp_rank=self.pp_rank, memory_released=lambda: self.memory_released,
+            peer_timeout_s=self.tuning.peer_timeout_s, heartbeat_s=self.tuning.heartbeat_s)
         self.deferred_release = DeferredRelease(self.decode_nodes)  # decode: sglang's held pages
         self.early_sends = EarlySendDispatcher(  # chunks held until sglang's forward wrote them
             f"dp{self.attn_dp_rank}-tp{self.attn_tp_rank}-pp{self.pp_rank}")
@@ -271,7 +279,8 @@ class DSABridgeKVManager(BaseKVManager):
             self.pool, create_backend(self.backend, host=self.local_ip, **self.engine_options),
             listen=listen, name=f"prefill-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}-pp{self.pp_rank}",
             aux_buffers=self.bridge.aux_buffers, request_timeout_s=self.phase_limits.node_timeout_s,
-            secret=self.secret, checksums=self.checksums, route="direct", staging_bytes=STAGING_BYTES)
+            secret=self.secret, checksums=self.checksums, route="direct", staging_bytes=STAGING_BYTES,
+            peer_timeout_s=self.tuning.peer_timeout_s, heartbeat_s=self.tuning.heartbeat_s)
 
     # ---- sglang's memory saver: the cache's memory released, then resumed --------------------
     def deregister_buffer_to_engine(self) -> None:

@@ -24,6 +24,9 @@ drives it over a private ZMQ PAIR socket; every command (a msgpack map) gets one
   node's control loop does when idle: every ``tick_ms`` of its engine) for the given seconds, in
   the child, with no write in flight: the baseline for ``max_tick_gap_ms``, what the machine
   alone gives a thread that wakes that often (``idle_tick_gap_ms``).
+- ``fill``: write the launcher's page pattern of a room into the given pages of every buffer, on
+  the pool's device (what a prefill's forward would leave there; decode checks every byte of it:
+  the GPU tier, tests/gpu);
 - ``raw``: plan the given (src, dst) page lists with ``plan_writes`` (timed on its own), join the
   plans and time one ``backend.write`` of all of them: pre-built descriptors, one batch.
 - ``teardown`` (close the node) and ``quit``.
@@ -44,12 +47,14 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 import zmq
 
 from ...plugin import DSALayout, DSATokenToKVPool
 from ...plugin.descriptors import BufferDescriptor
 from ..backends import create_backend
 from ..handshake import pair_with_peer, transfer_set
+from ..launcher.page_pattern import expected_pages
 from ..plan import plan_writes
 from ..prefill import PrefillNode
 from .channel import Driven, serve_commands
@@ -64,7 +69,8 @@ PLAN_REPEAT = 5
 
 @dataclass(frozen=True)
 class Geometry:
-    """A pool both sides build: a model preset cut to its first ``layers`` layers."""
+    """A pool both sides build: a model preset cut to its first ``layers`` layers, on
+    ``device`` ("cpu" or "cuda:N")."""
 
     model: str
     layers: int
@@ -72,6 +78,7 @@ class Geometry:
     pool_tokens: int
     page_size: int = PAGE
     indexer_layout: str = "uniform"
+    device: str = "cpu"
 
     def layout(self) -> DSALayout:
         return DSALayout.preset(self.model, end_layer=self.layers, kv_dtype=self.kv_dtype,
@@ -84,7 +91,8 @@ class Geometry:
         return layout.num_layers + len(layout.index_layer_ids)
 
     def pool(self) -> DSATokenToKVPool:
-        return DSATokenToKVPool.from_layout(self.layout(), size=self.pool_tokens)
+        return DSATokenToKVPool.from_layout(self.layout(), size=self.pool_tokens,
+                                            device=self.device)
 
 
 def trim_heap() -> None:
@@ -156,6 +164,17 @@ class _PrefillServer:
             os.close(unused)
         return {"max_gap_ms": 1e3 * gap}
 
+    def fill(self, room: int, pages: list) -> dict:
+        pool = self.node.pool
+        index = torch.as_tensor(pages, dtype=torch.int64, device=pool.device)
+        for layer, kind in pool.buffer_keys():
+            view = pool.page_view(layer, kind)
+            view.index_copy_(0, index, expected_pages(room, layer, kind, np.arange(len(pages)),
+                                                      view.shape[1]).to(view.device))
+        if index.is_cuda:
+            torch.cuda.synchronize(index.device)
+        return {}
+
     def raw(self, requests: list) -> dict:
         pages = [(np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)) for s, d in requests]
         plan_seconds = []
@@ -187,6 +206,7 @@ def serve(control: str) -> int:
     server = _PrefillServer()
     commands = {"setup": server.setup, "peer": server.set_peer, "send": server.send,
                 "stats": server.stats, "raw": server.raw, "idle_gap": server.idle_gap,
+                "fill": server.fill,
                 "teardown": server.teardown}
     try:
         return serve_commands(control, commands, idle_exit_s=IDLE_EXIT_S)

@@ -42,7 +42,9 @@ from importlib import metadata
 
 from ..backends import BACKENDS
 from ..launcher.options import choice_list, output_dir
-from ..staging import choose_route, thresholds_for
+from . import gpu as gpu_section
+from . import routes as route_section
+from .routes import AUTO_VS_FASTER, print_routes, route_summary
 from .sglang_pd import print_section, run_section
 from .sizes import SIZES
 
@@ -53,11 +55,13 @@ LONG_REQUEST_TOKENS = 8192  # the ratio_vs_raw target holds from this request le
 TARGETS = {"ratio_vs_raw": 0.9, "plan_share": 0.02, "pool_vs_memcpy": 0.5,
            "checksum_share": {"mooncake": 0.1, "nixl": 0.25},
            "concurrent_ratio_vs_raw": 0.9, "max_tick_gap_ms": 20.0,
-           "vs_contiguous": {"mooncake": 0.8, "nixl": 0.65}, "staged_descriptors": 64}
+           "vs_contiguous": {"mooncake": 0.8, "nixl": 0.65}, "staged_descriptors": 64,
+           "auto_vs_faster": AUTO_VS_FASTER}
 TARGET_CONCURRENCY = (16, 64)  # requests in flight the concurrent_ratio_vs_raw target covers
 ENGINE_PACKAGES = ("mooncake-transfer-engine-non-cuda", "nixl-cu12")
 QUIET_ENV = {"MC_LOG_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "ERROR", "UCX_LOG_LEVEL": "error"}
-SECTIONS = ("core", "sglang")  # core: everything but the sglang section
+SECTIONS = ("core", "routes", "gpu", "sglang")  # core: the figures of every section but these
+DEFAULT_SECTIONS = ("core", "gpu", "sglang")  # routes: core's route sweeps alone
 
 
 def machine() -> dict:
@@ -112,32 +116,6 @@ def concurrency_summary(transfers: list[dict], backends: list[str]) -> dict:
             for backend in backends}
 
 
-def route_summary(transfers: list[dict], backends: list[str]) -> dict:
-    """Per backend and page pattern, the fragmentation sweep on both routes: each route's GB/s
-    over that of the contiguous request of the same length (the length sweep's, direct) measured
-    in the same run (``vs_contiguous``) and its descriptors; the faster route; the route ``auto``
-    picks for that request (``staging.choose_route`` on its direct descriptors) and its ratio."""
-    out = {}
-    for backend in backends:
-        rows = [r for r in transfers if r["backend"] == backend]
-        points = [r for r in rows if r["sweep"] == "descriptors"]
-        base = next(r for r in rows if r["sweep"] == "length" and r["tokens"] == points[0]["tokens"])
-        patterns: dict[str, dict] = {}
-        for row in [base, *points]:
-            patterns.setdefault(row["pattern"], {})[row["route"]] = {
-                "vs_contiguous": row["e2e_gbps"] / base["e2e_gbps"],
-                "descriptors": row["descriptors"], "e2e_gbps": row["e2e_gbps"],
-                "staging_bytes": row["staging_bytes"]}
-        for entry in patterns.values():
-            direct = entry["direct"]
-            entry["faster"] = max(entry, key=lambda route: entry[route]["e2e_gbps"])
-            entry["auto"] = choose_route("auto", direct["descriptors"], base["bytes"],
-                                         thresholds_for(backend))
-            entry["auto_vs_contiguous"] = entry[entry["auto"]]["vs_contiguous"]
-        out[backend] = patterns
-    return out
-
-
 def tick_gap_summary(transfers: list[dict], backends: list[str]) -> dict:
     """Per backend, the prefill control thread's longest tick gap during its largest single
     request of the full 61 layers (788 MB at 16K tokens), and that request's bytes."""
@@ -175,8 +153,9 @@ def summarize(transfers: list[dict], plan_share: dict, pool_rows: list[dict],
     concurrent, tick_gap = concurrency_summary(transfers, backends), tick_gap_summary(transfers,
                                                                                       backends)
     routes = route_summary(transfers, backends)
-    fragmented = {b: {p: e["auto_vs_contiguous"] for p, e in by.items() if p != "contiguous"}
+    fragmented = {b: {p: by[p]["auto"]["vs_contiguous"] for p in ("fragmented", "per_page")}
                   for b, by in routes.items()}
+    auto = route_section.auto_vs_faster(routes)
     staged = [r for r in transfers if r["route_taken"] == "staged" and r["requests"] == 1]
     return {
         "ratio_vs_raw": ratio,
@@ -197,14 +176,14 @@ def summarize(transfers: list[dict], plan_share: dict, pool_rows: list[dict],
         "idle_tick_gap_ms": {b: v["idle_ms"] for b, v in tick_gap.items()},
         "routes": routes,
         "fragmented_vs_contiguous": fragmented,
+        "auto_vs_faster_lowest": auto["lowest"],
         "staged_descriptors_per_request": max((r["descriptors"] for r in staged), default=0),
         "staged_tokens": max((r["tokens"] for r in staged), default=0),
         "staging_bytes": max(r["staging_bytes"] for r in transfers),
         "targets_met": {
             "vs_contiguous": {b: all(v >= TARGETS["vs_contiguous"][b] for v in by.values())
                               for b, by in fragmented.items()},
-            "auto_picks_faster": {b: all(e["auto"] == e["faster"] for e in by.values())
-                                  for b, by in routes.items()},
+            "auto_vs_faster": auto["met"],
             "staged_descriptors": max((r["descriptors"] for r in staged), default=0)
             <= TARGETS["staged_descriptors"],
             "concurrent_ratio_vs_raw": {b: all(v >= TARGETS["concurrent_ratio_vs_raw"]
@@ -289,13 +268,7 @@ def print_tables(report: dict) -> None:
               f"end-to-end seconds {ratios['seconds_ratio']:.3f}")
     print(f"concurrent_ratio_vs_raw (requests in flight: ratio, raw = one batch of all): "
           f"{report['concurrent_ratio_vs_raw']}")
-    for backend, patterns in report["routes"].items():
-        for pattern, entry in patterns.items():
-            cells = ", ".join(f"{route} {entry[route]['vs_contiguous']:.2f}x "
-                              f"({entry[route]['descriptors']} descriptors)"
-                              for route in ("direct", "staged") if route in entry)
-            print(f"{backend} {pattern}, against the contiguous request: {cells}; faster: "
-                  f"{entry['faster']}, auto picks: {entry['auto']}")
+    print_routes(report["routes"])
     print(f"staging_bytes (both nodes): {report['staging_bytes']}; descriptors of a staged "
           f"{report['staged_tokens']}-token request: {report['staged_descriptors_per_request']}")
     print(f"max_tick_gap_ms (prefill control thread, largest request "
@@ -365,6 +338,10 @@ def write_plots(report: dict, directory: str) -> list[str]:
     return paths
 
 
+def bench_progress(text: str) -> None:
+    print(f"[bench] {text}", file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def stdout_to_stderr() -> Iterator[None]:
     """Point file descriptor 1 at stderr (the engines' C code logs to stdout) for the block."""
@@ -393,10 +370,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        help=f"comma-separated, of {', '.join(BACKENDS)} (default: all)")
     bench.add_argument("--indexer-layout", default="uniform", choices=("uniform", "compact"),
                        help="the GLM-5.2 layer sweep's pools (the layer-sets sweep runs both)")
-    bench.add_argument("--sections", type=choice_list(SECTIONS), default=",".join(SECTIONS),
-                       help="comma-separated, of core (dsa-bridge against the engine and memcpy) "
-                            "and sglang (sglang's own Mooncake connector against dsa-bridge's, "
-                            "where sglang is installed) (default: both)")
+    bench.add_argument("--sections", type=choice_list(SECTIONS),
+                       default=",".join(DEFAULT_SECTIONS),
+                       help="comma-separated, of core (dsa-bridge against the engine and memcpy), "
+                            "routes (core's route sweeps alone: auto against both routes), "
+                            "gpu (the pool, checksums and transfers on a CUDA device; skipped "
+                            "without one) and sglang (sglang's own Mooncake connector against "
+                            "dsa-bridge's, where sglang is installed) (default: core,gpu,sglang)")
     bench.add_argument("--json", action="store_true", help="print the report as one JSON object")
     bench.add_argument("--plots", metavar="DIR", type=output_dir,
                        help="write bench_gbps_vs_length.png and bench_plan_cost.png there "
@@ -412,14 +392,22 @@ def run_bench(args: argparse.Namespace) -> int:
                   else {"version": REPORT_VERSION, "size": args.size, "machine": machine()})
         if args.plots and core:
             report["plots"] = write_plots(report, args.plots)
+        if "routes" in args.sections:
+            report["routes_section"] = route_section.run_section(args.size, args.backends,
+                                                                 bench_progress)
+        if "gpu" in args.sections:
+            report["gpu"] = gpu_section.run_section(args.size, args.backends, bench_progress)
         if "sglang" in args.sections:
-            report["sglang"] = run_section(args.size, lambda text: print(
-                f"[bench] {text}", file=sys.stderr, flush=True))
+            report["sglang"] = run_section(args.size, bench_progress)
     if args.json:
         print(json.dumps(report), flush=True)
         return 0
     if core:
         print_tables(report)
+    if "routes_section" in report:
+        route_section.print_section(report["routes_section"])
+    if "gpu" in report:
+        gpu_section.print_section(report["gpu"])
     if "sglang" in report:
         print_section(report["sglang"])
     return 0

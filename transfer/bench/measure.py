@@ -271,20 +271,21 @@ def measure(session: TransferSession, memcpy: Memcpy, requests: list, repeat: in
     runs of each one's checksum seconds over its own end-to-end seconds; every sample is kept.
     ``idle_probe``: after each end-to-end run, the child's bare poll loop for as long as that
     run took (``idle_tick_gap_ms``, the machine's own gap next to ``max_tick_gap_ms``).
-    ``route``: prefill's (``route_taken``: the route its requests took; with ``staged``, the
-    expected descriptors are one per staging slice)."""
+    ``route``: prefill's (``route_taken``: the route the timed runs' requests took, ``mixed`` if
+    both, as ``auto`` may; ``staged_runs`` of them staged; with staged, the expected descriptors
+    are one per staging slice)."""
     layers, buffers = session.geometry.layers, session.geometry.buffers
     run_e2e = functools.partial(session.end_to_end, requests, route=route)
     run_e2e()  # warm-up: the engine's paths, caches, the planner
-    staged = run_e2e(checksums=True).staged_chunks > 0
-    expected = (session.staged_descriptors(requests) if staged
-                else sum(runs(src, dst) for src, dst in requests) * buffers)
+    run_e2e(checksums=True)
     e2e, raw, copy, plan, summed, shares, gaps, idle = [], [], [], [], [], [], [], []
+    staged_runs = 0
     for i in range(repeat):
         for kind in ("e2e", "sums", "raw") if i % 2 == 0 else ("raw", "sums", "e2e"):
             if kind == "e2e":
                 transfer = run_e2e()
                 e2e.append(transfer.seconds)
+                staged_runs += transfer.staged_chunks > 0
                 gaps.append(transfer.max_tick_gap_ms)
                 if idle_probe:
                     idle.append(session.idle_gap(transfer.seconds))
@@ -297,6 +298,10 @@ def measure(session: TransferSession, memcpy: Memcpy, requests: list, repeat: in
                 raw.append(reply["seconds"])
                 plan.append(reply["plan_seconds"])
         copy.append(memcpy.seconds(transfer.nbytes))
+    staged = transfer.staged_chunks > 0  # the descriptors reported are the last run's
+    expected = (session.staged_descriptors(requests) if staged
+                else sum(runs(src, dst) for src, dst in requests) * buffers)
+    taken = {0: "direct", len(e2e): "staged"}.get(staged_runs, "mixed")
     e2e_s, raw_s, copy_s, plan_s = (statistics.median(x) for x in (e2e, raw, copy, plan))
     nbytes = transfer.nbytes
     return {
@@ -308,7 +313,7 @@ def measure(session: TransferSession, memcpy: Memcpy, requests: list, repeat: in
         "descriptors_expected": expected,
         "descriptors_exact": transfer.descriptors == expected
         and (staged or expected == reply["descriptors"]) and reply["nbytes"] == nbytes,
-        "route": route, "route_taken": "staged" if staged else "direct",
+        "route": route, "route_taken": taken, "staged_runs": staged_runs,
         "staging_slices": transfer.staging_slices,
         "staging_bytes": session.staging["prefill"] + session.staging["decode"],
         "e2e_s": e2e_s, "raw_s": raw_s, "memcpy_s": copy_s, "plan_s": plan_s,
@@ -334,11 +339,7 @@ def transfer_jobs(sizes: Sizes, indexer_layout: str = "uniform"
     ``indexer_layout`` is the GLM-5.2 layer sweep's; the layer-sets sweep runs GLM-5.2, all 78
     layers, in both layouts."""
     deepseek = [("length", "contiguous", t // PAGE, 1, "direct") for t in sizes.lengths]
-    deepseek += [("descriptors", p, sizes.sweep_tokens // PAGE, 1, route)  # contiguous direct:
-                 for p in PATTERNS for route in ROUTES[1:]  # the length sweep's point
-                 if p != "contiguous" or route == "staged"]
-    deepseek += [("crossover", f"runs_{n}", sizes.sweep_tokens // PAGE, 1, route)
-                 for n in sizes.crossover_runs for route in ("direct", "staged")]
+    deepseek += route_points(sizes)
     deepseek += [("concurrency", "contiguous", sizes.concurrency_tokens // PAGE, c, "direct")
                  for c in sizes.concurrency]
     jobs = [(("deepseek-v3.2", 61, "fp8"), deepseek),
@@ -357,6 +358,17 @@ def transfer_jobs(sizes: Sizes, indexer_layout: str = "uniform"
         out.append((Geometry(model, layers, kv_dtype, pool_tokens=pages * PAGE,
                              indexer_layout=layout), points))
     return out
+
+
+def route_points(sizes: Sizes) -> list[tuple[str, str, int, int, str]]:
+    """The route sweeps (page patterns, pages per descriptor) on each route, ``auto`` after the
+    two forced ones: it weighs what the node timed of both (contiguous direct is the length
+    sweep's point)."""
+    order = (*ROUTES[1:], ROUTES[0])
+    points = [("descriptors", p, sizes.sweep_tokens // PAGE, 1, route)
+              for p in PATTERNS for route in order if p != "contiguous" or route != "direct"]
+    return points + [("crossover", f"runs_{n}", sizes.sweep_tokens // PAGE, 1, route)
+                     for n in sizes.crossover_runs for route in order]
 
 
 def run_transfers(sizes: Sizes, backends: list[str], indexer_layout: str = "uniform"

@@ -1,0 +1,157 @@
+"""One vLLM instance, prefill or decode, as its own OS process: vLLM's scheduler and worker
+lifecycle around the dsa-bridge connector (``harness.MiniEngine``), the forward played by the
+test (prefill fills each request's pages of every layer's MLA and indexer cache with a pattern;
+decode checks them once its load finished). Run as ``python -m tests.vllm.pd_rank`` from the
+repository root; prints one JSON summary on stdout.
+
+- ``prefill``: runs ``--requests`` (id and prompt length each) with ``do_remote_decode``, writes
+  their ``kv_transfer_params`` to ``--answers`` once all finished, then keeps stepping (its
+  blocks held until written) until ``--stop`` exists;
+- ``decode``: runs the answered requests with those params and checks every page; ``--abort``
+  aborts one while it loads (``--abort-after`` s after its first step), and counts its free
+  blocks ``HELD_AFTER_S`` later;
+  ``--fragment`` scatters its free blocks first.
+Engine writes go through ``tests/faulty.py`` when a ``DSA_BRIDGE_FAULT_*`` variable is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dsa_bridge.plugin.vllm import worker as bridge_worker
+
+from ..faulty import wrap_from_env
+from .harness import MiniEngine, pattern
+
+_create_backend = bridge_worker.create_backend
+HELD_AFTER_S = 0.3  # after an abort, when decode's free blocks are counted (its write still runs)
+
+
+def _faulty_backend(name: str, **options):
+    return wrap_from_env(_create_backend(name, **options))
+
+
+def prompt_of(req_id: str, length: int) -> list[int]:
+    start = sum(map(ord, req_id))
+    return [(start + i) % 1000 + 1 for i in range(length)]
+
+
+def page_bytes(engine: MiniEngine, req_id: str, pages: int):
+    """(cache name, page position, the page's bytes) of every cache and page of the request."""
+    blocks = engine.block_ids(req_id)[:pages]
+    for name, tensor in engine.caches.items():
+        view = tensor.reshape(tensor.shape[0], -1)  # (blocks, block bytes), vLLM's memory
+        for position, block in enumerate(blocks):
+            yield name, position, view[block].numpy()
+
+
+def run_prefill(args, engine: MiniEngine) -> dict:
+    requests = json.loads(args.requests)
+    free_before = engine.free_blocks
+    for req_id, length in requests:
+        engine.add(req_id, prompt_of(req_id, length), 1, {"do_remote_decode": True})
+
+    def forward(out) -> None:
+        for req_id in out.num_scheduled_tokens:
+            length = engine.scheduler.requests[req_id].num_prompt_tokens
+            for name, position, page in page_bytes(engine, req_id, -(-length // 64)):
+                page[:] = pattern(req_id, name, position, page.size)
+
+    answers, deadline = {}, time.monotonic() + args.timeout
+    while len(answers) < len(requests) and time.monotonic() < deadline:
+        for output in engine.step(forward):
+            answers[output.request_id] = {"params": output.kv_transfer_params,
+                                          "length": dict(requests)[output.request_id]}
+    held = engine.free_blocks
+    tmp = Path(args.answers + ".tmp")
+    tmp.write_text(json.dumps(answers))
+    tmp.rename(args.answers)
+    while not Path(args.stop).exists() and time.monotonic() < deadline:
+        engine.step()
+        time.sleep(0.002)
+    return {"answered": len(answers), "free_before": free_before, "free_held": held,
+            "free_after": engine.free_blocks, "pending": engine.scheduler.has_requests(),
+            "total_blocks": engine.kv_cache_config.num_blocks}
+
+
+def run_decode(args, engine: MiniEngine) -> dict:
+    deadline = time.monotonic() + args.timeout
+    while not Path(args.answers).exists():  # the prefill's, written once it finished them all
+        if time.monotonic() >= deadline:
+            return {"error": f"no answers in {args.answers} within {args.timeout}s"}
+        time.sleep(0.05)
+    answers = json.loads(Path(args.answers).read_text())
+    if args.fragment:
+        engine.fragment()
+    free_before = engine.free_blocks
+    for req_id, answer in answers.items():
+        engine.add(req_id, prompt_of(req_id, answer["length"]), 2, answer["params"])
+    checked: dict[str, int] = {}  # request -> pages that differ
+    blocks: dict[str, list[int]] = {}
+
+    def forward(out) -> None:
+        for req_id in out.num_scheduled_tokens:
+            if req_id in checked:
+                continue
+            pages = -(-answers[req_id]["length"] // 64)
+            blocks[req_id] = engine.block_ids(req_id)[:pages]
+            checked[req_id] = sum(not np.array_equal(page, pattern(req_id, name, position, page.size))
+                                  for name, position, page in page_bytes(engine, req_id, pages))
+
+    finished, held = {}, None
+    abort_at = time.monotonic() + args.abort_after if args.abort else None
+    while (len(finished) < len(answers) or engine.scheduler.has_requests()) \
+            and time.monotonic() < deadline:
+        now = time.monotonic()
+        if abort_at is not None and now >= abort_at:
+            from vllm.v1.request import RequestStatus
+
+            engine.scheduler.finish_requests(args.abort, RequestStatus.FINISHED_ABORTED)
+            finished[args.abort] = "abort"  # (vLLM's client, not its scheduler, reports it)
+            abort_at, held_at = None, now + HELD_AFTER_S
+        if held is None and args.abort and abort_at is None and now >= held_at:
+            held = engine.free_blocks
+        for output in engine.step(forward):
+            finished[output.request_id] = str(output.finish_reason)
+        time.sleep(0.002)
+    return {"finished": finished, "differing_pages": checked, "blocks": blocks,
+            "free_before": free_before, "free_after": engine.free_blocks, "free_after_abort": held,
+            "pending": engine.scheduler.has_requests(),
+            "layers": engine.worker._worker.pool.layout.num_layers,
+            "indexers": len(engine.worker._worker.pool.layout.index_layer_ids)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("role", choices=["prefill", "decode"])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--extra", required=True, help="kv_connector_extra_config, JSON")
+    parser.add_argument("--answers", required=True)
+    parser.add_argument("--requests", default="[]")
+    parser.add_argument("--stop", default="")
+    parser.add_argument("--fragment", action="store_true")
+    parser.add_argument("--abort", default="")
+    parser.add_argument("--abort-after", type=float, default=0.0)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    args = parser.parse_args()
+    if any(key.startswith("DSA_BRIDGE_FAULT_") for key in os.environ):
+        bridge_worker.create_backend = _faulty_backend
+    role = "kv_producer" if args.role == "prefill" else "kv_consumer"
+    engine = MiniEngine(Path(args.model), role, json.loads(args.extra))
+    try:
+        summary = (run_prefill if args.role == "prefill" else run_decode)(args, engine)
+    finally:
+        engine.close()
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

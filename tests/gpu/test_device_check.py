@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -51,11 +52,13 @@ def test_bad_arguments_exit_2_naming_the_problem(args, message):
     assert result.returncode == 2 and message in result.stderr
 
 
-def fake_wheel(path: Path, name: str) -> Path:
+def fake_wheel(path: Path, name: str, package: str | None = None) -> Path:
+    """A wheel named ``name`` holding package ``package`` (default: ``name``) and a purelib part."""
     wheel = path / f"{name}-1.0-cp312-cp312-manylinux_2_28_x86_64.whl"
+    package = package or name
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr(f"{name}/__init__.py", "VALUE = 1\n")
-        archive.writestr(f"{name}-1.0.data/purelib/{name}_extra.py", "EXTRA = 2\n")
+        archive.writestr(f"{package}/__init__.py", "VALUE = 1\n")
+        archive.writestr(f"{name}-1.0.data/purelib/{package}_extra.py", "EXTRA = 2\n")
         archive.writestr(f"{name}-1.0.dist-info/METADATA", "Name: x\n")
     return wheel
 
@@ -119,3 +122,30 @@ def test_each_tests_outcome_is_read_from_junit_xml(tmp_path):
     assert "assert 1 == 2" in outcomes["test_bad"]["message"]
     assert outcomes["test_skipped"]["message"] == "no device"
     assert check.test_outcomes(str(tmp_path / "missing.xml")) == []
+
+
+def test_the_whole_check_runs_here_with_stand_in_wheels(tmp_path):
+    """Every step on this host, the engine wheel a stand-in without the engine: report.json
+    names the import's error, counts the tier's tests (here every one skipped or deselected:
+    no CUDA), holds the bench's answer, and the check fails (no test passed)."""
+    check = load_script()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for name in ("nixl_cu13", "msgspec", "pyzmq"):  # packages of other names: the real msgspec stays
+        fake_wheel(wheels, name, f"{name}_stand_in")
+    out = tmp_path / "out"
+    site = tmp_path / "site"
+    args = check.parse(["nixl", "--wheels", str(wheels), "--out", str(out), "--site", str(site),
+                        "--budget-s", "240"])
+    assert check.check(args, "cpu") == 1
+    report = json.loads((out / "report.json").read_text())
+    assert "No module named 'nixl_cu13'" in report["engine_import"]
+    assert report["test_counts"]["passed"] == report["test_counts"]["failed"] == 0
+    assert all(t["outcome"] == "skipped" for t in report["tests"])
+    assert report["steps"]["tests"]["exit"] in (0, 5)  # 5: every test deselected
+    assert report["bench"] == ({"skipped": "no CUDA"} if not torch.cuda.is_available()
+                               else report["bench"])
+    assert report["ok"] is False and report["wheels"] == sorted(p.name for p in wheels.iterdir())
+    assert {p.name for p in out.iterdir()} == {"report.json", "device-check.log", "junit.xml",
+                                                "bench.json"}
+    assert (site / "nixl_cu13_stand_in_extra.py").exists() and (site / "dsa_bridge").is_dir()

@@ -71,6 +71,10 @@ def caches_layout(caches: dict[str, torch.Tensor], *, page_size: int, kv_lora_ra
             raise ValueError(f"cache {name!r}: layer {layer} has a {kind} cache already "
                              f"({table[layer][0]!r})")
         table[layer] = (name, tensor)
+    orphans = sorted(set(index) - set(kv))
+    if orphans:
+        raise ValueError(f"cache {index[orphans[0]][0]!r}: layer {orphans[0]} has an indexer cache "
+                         "but no MLA cache")
     if index and index_head_dim is None:
         raise ValueError(f"cache {next(iter(index.values()))[0]!r}: an indexer cache, but the "
                          "model has no index_head_dim")

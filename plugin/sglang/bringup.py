@@ -17,7 +17,6 @@ prefill that could not be reached.
 - ``target_stages``: which prefill pipeline stages a decode stage reads from;
 - ``dp_route``: how a prefill request's DP rank reaches decode (registered, or computed from its
   room, or a conflict);
-- ``engine_options``: the engine's transport and devices, as sglang's own engine chooses them;
 - ``PeerBackoff``: retry times after failed connections, doubling up to a bound.
 """
 
@@ -279,25 +278,6 @@ def dp_route(room: int, dp_rank: int, num_dp_ranks: int, *, load_balance_method:
             f"{room} implies dp_rank {room % num_dp_ranks}. Set "
             "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1 to allow mixed routing."))
     return DPRoute()
-
-
-def engine_options(backend: str, *, protocol: str, ib_devices: str | None, forced_tcp: bool,
-                   rdma_present: bool) -> dict[str, str]:
-    """The options of this rank's ``backend`` engine, as sglang's own Mooncake engine sets them:
-    ``protocol`` (sglang's ``MOONCAKE_PROTOCOL``, "rdma" by default; "tcp" where this machine
-    has no RDMA device among ``ib_devices``, ``rdma_present`` False, as the engine would fall
-    back anyway) and the RDMA devices sglang assigns this rank's GPU from
-    ``--disaggregation-ib-device`` (``ib_devices``; none under ``MC_FORCE_TCP=1``, sglang's TCP).
-    NIXL's UCX chooses its transports itself. ValueError for a protocol dsa-bridge's Mooncake
-    backend does not serve."""
-    if backend != "mooncake":
-        return {}
-    if protocol not in ("rdma", "tcp"):
-        raise ValueError(f"MOONCAKE_PROTOCOL={protocol!r}: dsa-bridge's Mooncake transfer serves "
-                         "'rdma' and 'tcp' (unset it, or set one of those)")
-    if forced_tcp or not rdma_present:
-        return {"protocol": "tcp", "device_name": ""}
-    return {"protocol": protocol, "device_name": ib_devices or ""}
 
 
 @dataclass(frozen=True)

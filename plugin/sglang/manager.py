@@ -102,13 +102,13 @@ from .bringup import (
     bootstrap_host,
     cp_problems,
     dummy_cp_rank,
-    engine_options,
     page_share,
     sglang_class,
 )
 from .decode_nodes import HTTP_TIMEOUT_S, STAGING_BYTES, DecodeNodes
 from .deferred_release import DeferredRelease, log_release_bounds
 from .early_send import EarlySendDispatcher
+from .engines import engine_options
 from .kvargs import bridge_buffers, draft_entries, dsa_problem
 from .memory_kinds import hisparse_problem, kind_of, pointer_info
 from .mixed import PrefillAborts, layout_mark, policy_mark
@@ -157,10 +157,16 @@ class DSABridgeKVManager(BaseKVManager):
         self.local_ip = get_local_ip_auto()
         ib_devices = get_ib_devices_for_gpu(getattr(args, "ib_device", None),
                                             getattr(args, "gpu_id", 0) or 0)
-        self.engine_options = engine_options(  # RDMA where there is a device, as sglang's engine
+        ucx_net_devices = bool(os.environ.get("UCX_NET_DEVICES"))
+        if self.backend == "nixl" and ib_devices and ucx_net_devices:
+            log.warning("dsa-bridge: UCX_NET_DEVICES is set; ignoring --disaggregation-ib-device "
+                        "for NIXL UCX, as sglang does")
+        self.engine_options = engine_options(  # the GPU's devices, as sglang's connectors (engines.py)
             self.backend, protocol=envs.MOONCAKE_PROTOCOL.get(), ib_devices=ib_devices,
-            forced_tcp=os.environ.get("MC_FORCE_TCP") == "1",
-            rdma_present=bool(rdma_devices(ib_devices or "")))
+            forced_tcp=os.environ.get("MC_FORCE_TCP") == "1", present=rdma_devices(),
+            nixl_backend=envs.SGLANG_DISAGGREGATION_NIXL_BACKEND.get(),
+            nixl_params_json=envs.SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS.get(),
+            ucx_net_devices=ucx_net_devices)
         self._transport_logged = False
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
         self.attn_cp_size, self.attn_cp_rank = parallel.attn_cp_size, parallel.attn_cp_rank

@@ -430,19 +430,6 @@ def test_decode_stages_pair_only_with_as_many_prefill_stages(prefill_pp, decode_
 
 # ---- the transport: RDMA where there is a device, as sglang's own engine ----------------------------
 
-@pytest.mark.parametrize(("backend", "protocol", "devices", "forced", "present", "expected"), [
-    ("mooncake", "rdma", "mlx5_0,mlx5_1", False, True, {"protocol": "rdma", "device_name": "mlx5_0,mlx5_1"}),
-    ("mooncake", "rdma", None, False, True, {"protocol": "rdma", "device_name": ""}),  # all devices
-    ("mooncake", "rdma", "mlx5_0", True, True, {"protocol": "tcp", "device_name": ""}),  # mooncake_tcp
-    ("mooncake", "rdma", None, False, False, {"protocol": "tcp", "device_name": ""}),  # no device here
-    ("mooncake", "tcp", "mlx5_0", False, True, {"protocol": "tcp", "device_name": "mlx5_0"}),
-    ("nixl", "rdma", "mlx5_0", False, True, {}),  # UCX chooses
-])
-def test_engine_options_are_sglangs_choice(backend, protocol, devices, forced, present, expected):
-    assert bringup.engine_options(backend, protocol=protocol, ib_devices=devices, forced_tcp=forced,
-                                  rdma_present=present) == expected
-
-
 def test_an_unserved_mooncake_protocol_is_refused_at_start_up(monkeypatch):
     monkeypatch.setenv("MOONCAKE_PROTOCOL", "efa")
     with published_context(disaggregation_mode="decode", disaggregation_transfer_backend="mooncake") as sa:

@@ -99,13 +99,14 @@ def _parse_metadata(data: bytes) -> tuple[str, list[BufferDescriptor], bytes]:
         raise BackendError("nixl", "connect", f"malformed peer metadata: {exc}") from exc
 
 
-def _net_devices(host: str) -> str:
+def _net_devices(host: str, devices: list[str] | None = None) -> str:
     """The UCX_NET_DEVICES that keeps UCX's TCP listener on ``host``'s interface ("" if unknown).
 
     UCX's TCP transport listens on the address of every network device it may use; it gets this
-    host's interface only (``lo`` for a loopback host), plus the RDMA ports where there are any,
-    so that UCX keeps its RDMA transports (untested here: no RDMA device). CMA and shared memory
-    are not network devices.
+    host's interface only (``lo`` for a loopback host), plus the RDMA ports of ``devices`` (the
+    operator's, sglang's ``--disaggregation-ib-device`` for this GPU), or of every RDMA device
+    where none are named, so that UCX keeps its RDMA transports (untested here: no RDMA
+    device). CMA and shared memory are not network devices.
     """
     try:
         if ipaddress.ip_address(host).is_loopback:
@@ -113,7 +114,14 @@ def _net_devices(host: str) -> str:
     except ValueError:
         return "lo" if host == "localhost" else ""
     interface = interface_of(host)
-    return ",".join([interface, *rdma_ports()]) if interface else ""
+    ports = [port for port in rdma_ports() if devices is None or port.split(":")[0] in devices]
+    return ",".join([interface, *ports]) if interface else ""
+
+
+def device_list_of(params: dict[str, str]) -> list[str] | None:
+    """The RDMA devices NIXL's UCX ``device_list`` parameter names (None: not given)."""
+    given = params.get("device_list")
+    return None if given is None else [name.strip() for name in given.split(",") if name.strip()]
 
 
 class NixlBackend(EngineBackend[RegionTable]):
@@ -123,18 +131,30 @@ class NixlBackend(EngineBackend[RegionTable]):
     tick_ms = 2  # the passive side's ``progress`` every few ms (no progress thread)
 
     def __init__(self, *, host: str = "127.0.0.1", agent_name: str = "",
-                 post_bytes: int = POST_BYTES) -> None:
+                 post_bytes: int = POST_BYTES, backend_params: dict[str, str] | None = None) -> None:
+        """``backend_params``: the UCX backend's parameters (NIXL's ``create_backend``), as
+        sglang's ``SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS``; its ``device_list`` names the RDMA
+        devices UCX may use, each one this machine must have (refused by name otherwise, never
+        left to fall back to TCP)."""
         if post_bytes < 1:
             raise BackendError(self.name, "init", f"post_bytes must be >= 1, got {post_bytes}")
         self.post_bytes = post_bytes
+        params = dict(backend_params or {})
+        devices = device_list_of(params)
+        missing = [name for name in devices or [] if name not in rdma_devices()]
+        if missing or devices == []:
+            raise BackendUnavailable(
+                self.name, "init", f"UCX device_list names {', '.join(missing) or 'no device'}, "
+                f"which this machine does not have (its RDMA devices: "
+                f"{', '.join(rdma_devices()) or 'none'})")
         # UCX_NET_DEVICES binds UCX's listener to the interface of ``host`` (see _net_devices).
         # UCX_MODULES=^ib: without an RDMA device the InfiniBand module is useless, and loading
         # it (bundled rdma-core next to the system's libibverbs providers) makes every process
         # crash with SIGSEGV at exit.
         defaults = {"NIXL_LOG_LEVEL": "WARN"}
-        devices = _net_devices(host)
-        if devices:
-            defaults["UCX_NET_DEVICES"] = devices
+        net_devices = _net_devices(host, devices)
+        if net_devices:
+            defaults["UCX_NET_DEVICES"] = net_devices
         elif "UCX_NET_DEVICES" not in os.environ:
             log.warning("nixl: no interface of this machine holds %s: UCX listens on every "
                         "interface (set UCX_NET_DEVICES)", host)
@@ -144,9 +164,11 @@ class NixlBackend(EngineBackend[RegionTable]):
             api, self._errors = _import_nixl()
             self.agent_name = agent_name or f"dsa-bridge-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             ucx = ", ".join(f"{key}={os.environ.get(key, '<unset>')}" for key in _UCX_SETTINGS)
-            config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            config = api.nixl_agent_config(enable_prog_thread=False, backends=[])
             try:
                 agent = api.nixl_agent(self.agent_name, config)
+                if "UCX" in agent.get_plugin_list():
+                    agent.create_backend("UCX", params)
             except (RuntimeError, *self._errors) as exc:
                 raise BackendUnavailable(
                     self.name,

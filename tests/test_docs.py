@@ -37,7 +37,7 @@ PACKAGES = {"dsa_bridge.plugin": "plugin", "dsa_bridge.transfer": "transfer"}
 # Names the docs cite that are not ours and that our code does not mention, by owner (what our
 # code mentions passes anyway). A dotted name is foreign when its first part is one of
 # FOREIGN_ROOTS, an environment variable when it starts with one of FOREIGN_ENV.
-FOREIGN_ROOTS = {"sglang", "torch", "np", "numpy", "mooncake", "glibc"}
+FOREIGN_ROOTS = {"sglang", "torch", "np", "numpy", "mooncake", "glibc", "vllm"}
 FOREIGN_ENV = ("MC_", "UCX_", "NIXL_", "SGLANG_", "GLIBC_", "OMP_")
 FOREIGN = {
     # SGLang 0.5.23: classes, attributes, files, server flags
@@ -46,6 +46,8 @@ FOREIGN = {
     "configs/deepseek_ocr.py", "configs/nano_nemotron_vl.py",
     "multimodal/internvl_utils.py",
     "--disaggregation-enable-kv-checksum", "--disaggregation-mode", "--disaggregation-transfer-backend",
+    # vLLM 0.32.0: connector API, config keys
+    "SupportsHMA", "kv_buffer_device",
     # a Hugging Face model's config file
     "config.json",
     # Mooncake transfer engine 0.3.13

@@ -5,8 +5,8 @@ The sweeps: one DeepSeek-V3.2 request (all 61 layers, ``sweep_tokens``) in each 
 on the direct route, the staged route and ``auto``. In the core section each is a point of its
 own (``route_summary``: ``auto`` after the two forced routes, on the same prefill node, so it
 weighs what that node timed of both, ``route_costs.RouteCosts``). The ``routes`` section runs the
-sweeps alone and compares the three routes of each point interleaved, round by round
-(``compare``), so that the load of a shared machine falls on all three alike: ``auto_vs_faster``,
+sweeps alone and compares the routes of each point interleaved, round by round (``compare``),
+so that the load of a shared machine falls on all of them alike: ``auto_vs_faster``,
 ``auto``'s speed over the faster forced route's, target ``AUTO_VS_FASTER`` (at most 10 % slower).
 """
 
@@ -23,7 +23,7 @@ AUTO_VS_FASTER = 0.9
 ROUTE_SWEEPS = ("descriptors", "crossover")
 FORCED = ("direct", "staged")
 ORDER = ("direct", "staged", "auto", "control")  # control: the direct route again
-ROUTE_ROUNDS = 7  # interleaved rounds of the three routes at least, per point
+ROUTE_ROUNDS = 8  # interleaved rounds per point at least: each route twice in each place
 
 
 def route_summary(transfers: list[dict], backends: list[str]) -> dict:
@@ -62,8 +62,10 @@ def choice_vs_faster(routes: dict) -> dict:
 
 
 def compare(session, requests: list, rounds: int) -> dict:
-    """``direct``, ``staged`` and ``auto`` end to end on the same requests, interleaved (the order
-    reversed every other round, so a drift of the machine's load falls on all three), after two
+    """``direct``, ``staged`` and ``auto`` end to end on the same requests, interleaved (each round
+    the order turned by one, so that each route holds each place as often, and after each staged
+    run one direct run not counted: a run right after a staged one measured slower, whatever its
+    route), after two
     warm-up runs of each forced route (the node times them: ``auto`` weighs what it saw) and one
     of ``auto``: each route's median seconds, the faster forced route, the route ``auto`` took
     (``mixed``: some runs each) and ``auto_vs_faster``, the faster route's median seconds over
@@ -78,9 +80,11 @@ def compare(session, requests: list, rounds: int) -> dict:
     samples: dict[str, list[float]] = {route: [] for route in ORDER}
     staged_runs = 0
     for i in range(rounds):
-        for route in ORDER if i % 2 == 0 else ORDER[::-1]:
+        for route in ORDER[i % len(ORDER):] + ORDER[:i % len(ORDER)]:
             transfer = session.end_to_end(requests, route="direct" if route == "control" else route)
             samples[route].append(transfer.seconds)
+            if route == "staged":
+                session.end_to_end(requests, route="direct")  # settles, not counted
             if route == "auto":
                 staged_runs += transfer.staged_chunks > 0
     medians = {route: statistics.median(v) for route, v in samples.items()}
@@ -107,7 +111,7 @@ def run_section(size: str, backends: list[str], progress: Callable[[str], None])
     geometry, points = measure.transfer_jobs(sizes)[0]
     patterns = list(dict.fromkeys(p[1] for p in points if p[0] in ROUTE_SWEEPS))
     pages = sizes.sweep_tokens // PAGE
-    rounds = max(sizes.repeat, ROUTE_ROUNDS)
+    rounds = -(-max(sizes.repeat, ROUTE_ROUNDS) // len(ORDER)) * len(ORDER)
     started, load = time.monotonic(), os.getloadavg()
     out: dict[str, dict] = {}
     child = start_child()

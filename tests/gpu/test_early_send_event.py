@@ -15,6 +15,7 @@ import torch
 from dsa_bridge.plugin.sglang.early_send import EarlySendDispatcher
 from dsa_bridge.transfer.backends import create_backend
 from dsa_bridge.transfer.decode import DecodeNode
+from dsa_bridge.transfer.launcher.page_pattern import expected_pages
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll
 from tests.transfer.helpers import wait_for
@@ -50,8 +51,14 @@ class ThreadEvent:
 def slow_write(pool, room: int, pages: np.ndarray):
     """Write request ``room``'s pattern into ``pages`` behind slow work; the event after it."""
     if torch.device(pool.device).type == "cuda":
+        index = torch.as_tensor(pages, dtype=torch.int64, device=pool.device)
+        writes = [(pool.page_view(layer, kind), expected_pages(
+            room, layer, kind, np.arange(pages.size), pool.page_view(layer, kind).shape[1]
+        ).to(pool.device)) for layer, kind in pool.buffer_keys()]  # a host copy waits: before
+        torch.cuda.synchronize(pool.device)
         torch.cuda._sleep(SLEEP_CYCLES)
-        fill_pattern(pool, room, pages)  # queued behind the sleep on the same stream
+        for view, want in writes:  # queued behind the sleep on the same stream, device to device
+            view.index_copy_(0, index, want)
         event = torch.cuda.Event()
         event.record()
         return event

@@ -10,7 +10,8 @@ repository root; prints one JSON summary on stdout.
 - ``decode``: runs the answered requests with those params and checks every page; ``--abort``
   aborts one while it loads (``--abort-after`` s after its first step), and counts its free
   blocks ``HELD_AFTER_S`` later;
-  ``--fragment`` scatters its free blocks first.
+  ``--fragment`` scatters its free blocks first; ``--launcher``: the answers name a ``dsa-bridge
+  prefill`` launcher node, whose pattern the pages are checked against.
 Engine writes go through ``tests/faulty.py`` when a ``DSA_BRIDGE_FAULT_*`` variable is set.
 """
 
@@ -26,6 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from dsa_bridge.plugin.vllm import worker as bridge_worker
+from dsa_bridge.plugin.vllm.caches import layer_of
+from dsa_bridge.transfer.launcher.page_pattern import expected_pages
 
 from ..faulty import wrap_from_env
 from .harness import MiniEngine, pattern
@@ -81,6 +84,12 @@ def run_prefill(args, engine: MiniEngine) -> dict:
             "total_blocks": engine.kv_cache_config.num_blocks}
 
 
+def launcher_pattern(room: int, name: str, position: int, nbytes: int) -> np.ndarray:
+    """What a ``dsa-bridge prefill`` launcher node writes into the request's page ``position``."""
+    layer, kind = layer_of(name)
+    return expected_pages(room, layer, kind, np.array([position]), nbytes)[0].numpy()
+
+
 def run_decode(args, engine: MiniEngine) -> dict:
     deadline = time.monotonic() + args.timeout
     while not Path(args.answers).exists():  # the prefill's, written once it finished them all
@@ -102,8 +111,11 @@ def run_decode(args, engine: MiniEngine) -> dict:
                 continue
             pages = -(-answers[req_id]["length"] // 64)
             blocks[req_id] = engine.block_ids(req_id)[:pages]
-            checked[req_id] = sum(not np.array_equal(page, pattern(req_id, name, position, page.size))
-                                  for name, position, page in page_bytes(engine, req_id, pages))
+            room = answers[req_id]["params"]["remote_room"]
+            checked[req_id] = sum(
+                not np.array_equal(page, launcher_pattern(room, name, position, page.size)
+                                   if args.launcher else pattern(req_id, name, position, page.size))
+                for name, position, page in page_bytes(engine, req_id, pages))
 
     finished, held = {}, None
     abort_at = time.monotonic() + args.abort_after if args.abort else None
@@ -137,6 +149,8 @@ def main() -> int:
     parser.add_argument("--requests", default="[]")
     parser.add_argument("--stop", default="")
     parser.add_argument("--fragment", action="store_true")
+    parser.add_argument("--launcher", action="store_true",
+                        help="the prefill is a dsa-bridge prefill launcher node: check its pattern")
     parser.add_argument("--abort", default="")
     parser.add_argument("--abort-after", type=float, default=0.0)
     parser.add_argument("--timeout", type=float, default=120.0)

@@ -176,3 +176,27 @@ def test_a_prefill_whose_decode_never_comes_frees_its_blocks_at_its_deadline(pai
     sent = pair.finish_prefill(prefill)
     assert sent["free_held"] == sent["free_before"] - 3
     assert (sent["free_after"], sent["pending"]) == (sent["free_before"], False)
+
+
+def test_a_dsa_bridge_prefill_launcher_feeds_a_vllm_decode_byte_exact(pair, model):
+    """Interoperation by the bytes: the pages are the same bytes, so a ``dsa-bridge prefill``
+    node (its deterministic pattern per room, layer, cache and page) serves the connector."""
+    require_engine("mooncake")
+    port = free_port()
+    with open(pair.tmp / "launcher.err", "w") as err:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "dsa_bridge.transfer.launcher.cli", "prefill", "--listen",
+             f"127.0.0.1:{port}", "--backend", "mooncake", "--model", str(model / "config.json"),
+             "--pool-tokens", "4096"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    pair.procs.append(launcher)
+    answers = {req_id: {"length": length, "params": {
+        "do_remote_prefill": True, "remote_room": 1000 + i, "remote_host": "127.0.0.1",
+        "remote_port": port, "tp_size": 1, "remote_num_tokens": length, "remote_engine": "mooncake"}}
+        for i, (req_id, length) in enumerate(REQUESTS)}
+    pair.answers.write_text(json.dumps(answers))
+    got = pair.summary(pair.start("decode", {"engine": "mooncake"}, "--launcher", "--fragment"))
+    assert got["finished"] == {req_id: "length" for req_id, _ in REQUESTS}
+    assert got["differing_pages"] == {req_id: 0 for req_id, _ in REQUESTS}
+    assert (got["free_after"], got["pending"]) == (got["free_before"], False)
+    os.kill(launcher.pid, signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 0, (pair.tmp / "launcher.err").read_text()[-3000:]

@@ -21,6 +21,7 @@ whole after it finished, decode waits between steps, so ``save_kv_layer`` and
 from __future__ import annotations
 
 import logging
+import queue
 
 import numpy as np
 
@@ -123,6 +124,14 @@ class BridgeWorker:
     # ---- prefill ---------------------------------------------------------------------------
 
     def wait_for_save(self, meta: BridgeMetadata) -> None:
+        """Senders for the requests vLLM finished. A room a decode announced before its sender
+        exists waits in the node for it (offered on ``incoming``, which vLLM has no use for:
+        dropped here, so that it stays bounded)."""
+        while self.prefill is not None:
+            try:
+                self.prefill.incoming.get_nowait()
+            except queue.Empty:
+                break
         for req_id, send in meta.sends.items():
             if self.prefill is None:
                 log.error("dsa-bridge: request %s: this worker runs no prefill node (kv_role)", req_id)

@@ -11,7 +11,9 @@ repository root; prints one JSON summary on stdout.
   aborts one while it loads (``--abort-after`` s after its first step), and counts its free
   blocks ``HELD_AFTER_S`` later;
   ``--fragment`` scatters its free blocks first; ``--launcher``: the answers name a ``dsa-bridge
-  prefill`` launcher node, whose pattern the pages are checked against.
+  prefill`` launcher node, whose pattern the pages are checked against; ``--tp R/S``: the
+  worker is TP rank R of S (each decode rank of a TP group has its scheduler here, fed the same
+  answers).
 Engine writes go through ``tests/faulty.py`` when a ``DSA_BRIDGE_FAULT_*`` variable is set.
 """
 
@@ -26,11 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
+from dsa_bridge.plugin.vllm import connector as bridge_connector
 from dsa_bridge.plugin.vllm import worker as bridge_worker
 from dsa_bridge.plugin.vllm.caches import layer_of
 from dsa_bridge.transfer.launcher.page_pattern import expected_pages
 
 from ..faulty import wrap_from_env
+from . import harness
 from .harness import MiniEngine, pattern
 
 _create_backend = bridge_worker.create_backend
@@ -154,9 +158,21 @@ def main() -> int:
     parser.add_argument("--abort", default="")
     parser.add_argument("--abort-after", type=float, default=0.0)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--tp", default="0/1", help="this worker's TP rank / TP size")
     args = parser.parse_args()
     if any(key.startswith("DSA_BRIDGE_FAULT_") for key in os.environ):
         bridge_worker.create_backend = _faulty_backend
+    rank, size = map(int, args.tp.split("/"))
+    if size > 1:  # one worker of a TP group, as vLLM's parallel state would name it
+        bridge_connector._tp_rank = lambda: rank
+        config_of = harness.vllm_config
+
+        def tp_config(*a, **kw):
+            config = config_of(*a, **kw)
+            config.parallel_config.tensor_parallel_size = size
+            return config
+
+        harness.vllm_config = tp_config
     role = "kv_producer" if args.role == "prefill" else "kv_consumer"
     engine = MiniEngine(Path(args.model), role, json.loads(args.extra))
     try:

@@ -49,19 +49,22 @@ class Pair:
         self.tmp, self.model = tmp, model
         self.answers, self.stop = tmp / "answers.json", tmp / "stop"
         self.procs: list[subprocess.Popen] = []
+        self.logs: dict[int, Path] = {}  # pid -> its stderr
 
     def start(self, role: str, extra: dict, *args: str, env: dict | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "tests.vllm.pd_rank", role, "--model", str(self.model),
                "--extra", json.dumps(extra), "--answers", str(self.answers), "--stop", str(self.stop),
                "--timeout", str(START_S), *args]
-        with open(self.tmp / f"{role}.err", "w") as err:
+        path = self.tmp / f"{role}-{len(self.procs)}.err"
+        with open(path, "w") as err:
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
                                     env={**os.environ, **(env or {})})
         self.procs.append(proc)
+        self.logs[proc.pid] = path
         return proc
 
     def log(self, proc: subprocess.Popen) -> str:
-        return (self.tmp / f"{proc.args[3]}.err").read_text()
+        return self.logs[proc.pid].read_text()
 
     def prefill(self, extra: dict, requests=REQUESTS, env: dict | None = None) -> subprocess.Popen:
         return self.start("prefill", extra, "--requests", json.dumps(requests), env=env)
@@ -116,6 +119,21 @@ def test_every_layer_byte_exact_on_a_fragmented_block_table(pair, engine, checks
     long = got["blocks"]["long"]
     assert len(long) == 5 and sorted(long) != list(range(min(long), min(long) + 5))  # fragmented
     assert_released(sent, got)
+
+
+def test_each_rank_of_a_wider_decode_gets_the_whole_request(pair):
+    """Decode TP 2 from a prefill TP 1: the MLA cache is replicated, so prefill's one rank
+    writes the request to both decode ranks (two copies), each byte-exact."""
+    require_engine("mooncake")
+    extra = {"engine": "mooncake"}
+    prefill = pair.prefill({**extra, "port": free_port()}, REQUESTS[1:3])
+    ranks = [pair.start("decode", extra, "--tp", f"{rank}/2") for rank in (0, 1)]
+    got = [pair.summary(rank) for rank in ranks]
+    sent = pair.finish_prefill(prefill)
+    for rank in got:
+        assert rank["finished"] == {req_id: "length" for req_id, _ in REQUESTS[1:3]}
+        assert rank["differing_pages"] == {req_id: 0 for req_id, _ in REQUESTS[1:3]}
+        assert_released(sent, rank)
 
 
 def test_abort_mid_write_holds_the_blocks_until_the_write_ended(pair):

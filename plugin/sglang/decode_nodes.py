@@ -236,6 +236,10 @@ class DecodeNodes:
         self.close_idle_retired()
         return True
 
+    def every_node(self) -> tuple[DecodeNode, ...]:
+        """The rank's decode nodes, connected and retired (read off sglang's thread: a copy)."""
+        return (*tuple(self.nodes.values()), *tuple(self.retired_nodes))
+
     def close_idle_retired(self) -> None:
         """Close the retired nodes no request is left on (every one forgotten)."""
         for node in [n for n in self.retired_nodes if n.requests == 0]:

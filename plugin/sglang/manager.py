@@ -95,6 +95,7 @@ from sglang.srt.utils.network import NetworkAddress, get_local_ip_auto
 from ...transfer import auth
 from ...transfer.backends import create_backend
 from ...transfer.backends.environment import rdma_devices
+from ...transfer.counters import merge
 from ...transfer.plan import as_aux_buffers
 from ...transfer.prefill import PrefillNode
 from .bringup import (
@@ -115,6 +116,7 @@ from .mixed import PrefillAborts, layout_mark, policy_mark
 from .paged_buffers import PagedBuffers
 from .phases import PhaseLimits
 from .pool import stage_start_layer
+from .rank_metrics import RankMetrics, RankReading, exported
 from .stage_consensus import StageConsensus
 from .tuning import TUNING_ENVS, heartbeat_line, ignored_lines, read_tuning
 
@@ -263,10 +265,25 @@ class DSABridgeKVManager(BaseKVManager):
             self.decode_nodes.start_engine(self._cache_regions())
             self.log_transport(self.decode_nodes.engine.engine)
             log_release_bounds(self.enable_deferred_decode_kv_release)
+        # dsa-bridge's counters on sglang's /metrics, merged over the server's ranks
+        self.metrics = RankMetrics(disaggregation_mode.value, self._reading) if exported() else None
+        log.info("dsa-bridge: %s", "its counters go to sglang's /metrics (dsa_bridge_*), merged over "
+                 "the server's ranks" if self.metrics else "its counters are not exported: sglang's "
+                 "metrics are off (--enable-metrics)")
         log.info("dsa-bridge: %s manager over %d layers (%s indexer layout) on %s, aux on %s, backend "
                  "%s, checksums %s", disaggregation_mode.value, self.bridge.layout.num_layers,
                  self.bridge.layout.indexer_layout, device, sorted(set(self.bridge.aux_devices)),
                  self.backend, "on" if self.checksums else "off")
+
+    def _reading(self) -> RankReading:
+        """This rank's counts for sglang's metrics (``rank_metrics``; the metrics thread)."""
+        if self.node is not None:
+            return RankReading(self.node.counters.stats())
+        nodes = self.decode_nodes.every_node()
+        return RankReading(merge(*(node.counters.stats() for node in nodes)),
+                           forced_releases=self.deferred_release.forced_releases,
+                           pages_held=sum(node.held_pages() for node in nodes),
+                           pages_quarantined=sum(node.quarantined_pages() for node in nodes))
 
     def _stage_start(self, args) -> int:
         """A decode stage's first global layer, which its ``KVArgs`` do not say: its pool's
@@ -506,7 +523,10 @@ class DSABridgeKVManager(BaseKVManager):
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Close the stages' consensus, the nodes and their engines."""
+        """Publish the last counts, then close the stages' consensus, the nodes and their
+        engines."""
+        if self.metrics is not None:
+            self.metrics.close()
         self.stages.close()
         self.early_sends.close()
         if self.prefill_aborts is not None:

@@ -243,8 +243,13 @@ class DSABridgeKVSender(BaseKVSender):
         self.kv_mgr.stages.forget(self.bootstrap_room)
 
     def get_transfer_metric(self) -> KVTransferMetric:
+        """sglang's transfer metrics of the request (its prefill observes latency, MB and GB/s
+        from them once the request leaves its inflight queue): the transfer's latency, from its
+        first chunk handed to the engine to its end, and the bytes its engine writes wrote (into
+        every decode rank that received it)."""
         state = self._sender.state if self._sender is not None else None
         if state is None or state.finished_at is None:
             return KVTransferMetric()
         started = state.transferring_at or state.created
-        return KVTransferMetric(transfer_latency_s=state.finished_at - started)
+        return KVTransferMetric(transfer_latency_s=state.finished_at - started,
+                                transfer_total_bytes=self._sender.nbytes)

@@ -245,7 +245,11 @@ def run_prefill(cfg: dict, server_args) -> dict:
         finished=type(finished).__name__ if finished else None, streamed=[r.rid for r in streamed],
         bytes=counters["bytes"], pages_released=allocator.available_size() == free_pages,
         slot_released=metadata_slots.available_size() == free_slots and req.metadata_buffer_index == -1,
-        row_released=not req.kv.holds_kv, pending_chunks=sorted(scheduler.disagg_prefill_pending_chunk_rids))
+        row_released=not req.kv.holds_kv, pending_chunks=sorted(scheduler.disagg_prefill_pending_chunk_rids),
+        # what sglang's inflight queue observed of get_transfer_metric (its Prometheus series)
+        observed_mb=getattr(req.time_stats, "transfer_total_mb", None),
+        observed_gb_s=getattr(scheduler.metrics_reporter, "kv_transfer_speed_gb_s", None),
+        observed_latency_ms=getattr(scheduler.metrics_reporter, "kv_transfer_latency_ms", None))
     manager.shutdown()
     server.close()
     return result

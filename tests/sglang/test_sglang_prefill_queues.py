@@ -98,6 +98,9 @@ def test_sglang_prefill_queues_move_a_request_byte_exact(queues, engine):
     assert decode["first_token"] == 4242 and decode["room"] == 2**62 + 12345
     page_bytes = 64 * (656 + 132)
     assert decode["nbytes"] == prefill["bytes"] == len(SRC_PAGES) * page_bytes * 4 + decode["aux_bytes"]
+    # sglang's own KV-transfer series: observed from get_transfer_metric, not left empty
+    assert prefill["observed_mb"] == prefill["bytes"] / 2**20
+    assert prefill["observed_latency_ms"] > 0 and prefill["observed_gb_s"] > 0
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -123,6 +123,7 @@ class ChunkReporter:
         if result.slices:
             self.counters.add(staged_chunks=1, staging_slices=result.slices)
         sender.chunks_sent += 1
+        sender.nbytes += plan.nbytes
         destination.chunks_written += 1
         if sender.state.status == KVPoll.Failed:  # aborted while writing: already reported
             return

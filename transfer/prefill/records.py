@@ -152,6 +152,7 @@ class KVSender(RequestHandle):
         self.pages_sent = 0  # of a share writer: the request's pages its chunks went through
         self.shares: bool | None = None  # writes a share of the pages (``send_share``); None: no chunk yet
         self.chunks_sent = 0
+        self.nbytes = 0  # bytes its engine writes wrote, into every decode node
         self.pending: list[Chunk] = []  # chunks waiting for decode's pages
         self.busy = 0  # chunks queued for or inside the writer
         self.reported = False  # decode was told of the failure

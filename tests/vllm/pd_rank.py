@@ -12,8 +12,8 @@ repository root; prints one JSON summary on stdout.
   blocks ``HELD_AFTER_S`` later;
   ``--fragment`` scatters its free blocks first; ``--launcher``: the answers name a ``dsa-bridge
   prefill`` launcher node, whose pattern the pages are checked against; ``--tp R/S``: the
-  worker is TP rank R of S (each decode rank of a TP group has its scheduler here, fed the same
-  answers).
+  worker is TP rank R of S (each rank of a TP group has its own scheduler here: decode ranks are
+  fed the same answers, prefill ranks draw the same rooms, ``--room-seed``).
 Engine writes go through ``tests/faulty.py`` when a ``DSA_BRIDGE_FAULT_*`` variable is set.
 """
 
@@ -22,13 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
 
 from dsa_bridge.plugin.vllm import connector as bridge_connector
+from dsa_bridge.plugin.vllm import scheduler as bridge_scheduler
 from dsa_bridge.plugin.vllm import worker as bridge_worker
 from dsa_bridge.plugin.vllm.caches import layer_of
 from dsa_bridge.transfer.launcher.page_pattern import expected_pages
@@ -159,7 +162,11 @@ def main() -> int:
     parser.add_argument("--abort-after", type=float, default=0.0)
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--tp", default="0/1", help="this worker's TP rank / TP size")
+    parser.add_argument("--room-seed", type=int, default=None,
+                        help="draw rooms from this seed (the prefill ranks of one TP group)")
     args = parser.parse_args()
+    if args.room_seed is not None:  # vLLM's one scheduler gives every rank the same rooms
+        bridge_scheduler.secrets = types.SimpleNamespace(randbits=random.Random(args.room_seed).getrandbits)
     if any(key.startswith("DSA_BRIDGE_FAULT_") for key in os.environ):
         bridge_worker.create_backend = _faulty_backend
     rank, size = map(int, args.tp.split("/"))

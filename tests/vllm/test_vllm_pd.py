@@ -136,6 +136,24 @@ def test_each_rank_of_a_wider_decode_gets_the_whole_request(pair):
         assert_released(sent, rank)
 
 
+def test_a_wider_prefill_writes_from_one_rank_and_frees_every_rank(pair):
+    """Prefill TP 2 to a decode TP 1: decode reads the request from prefill rank 0 and tells
+    rank 1 it has nothing to send; every rank's blocks go back to vLLM."""
+    require_engine("mooncake")
+    extra, port, requests = {"engine": "mooncake"}, free_port(), json.dumps(REQUESTS[1:3])
+    ranks = [pair.start("prefill", {**extra, "port": port}, "--requests", requests, "--tp",
+                        f"{rank}/2", "--room-seed", "5",
+                        *(["--answers", str(pair.tmp / "rank1.json")] if rank else []))
+             for rank in (0, 1)]
+    got = pair.summary(pair.start("decode", extra))
+    sent = [pair.finish_prefill(rank) for rank in ranks]
+    assert got["finished"] == {req_id: "length" for req_id, _ in REQUESTS[1:3]}
+    assert got["differing_pages"] == {req_id: 0 for req_id, _ in REQUESTS[1:3]}
+    assert json.loads((pair.tmp / "rank1.json").read_text()) == json.loads(pair.answers.read_text())
+    for rank in sent:
+        assert_released(rank, got)
+
+
 def test_abort_mid_write_holds_the_blocks_until_the_write_ended(pair):
     require_engine("mooncake")
     extra = {"engine": "mooncake"}

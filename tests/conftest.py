@@ -1,7 +1,14 @@
 """Suite-wide: which engines and devices this machine has, skips with reasons, a closing report
 of every skipped suite so a green run cannot hide one, the clearing of the engine settings a
-caller may have exported (tests that start engines set what they need themselves), and one
-torch thread per test process.
+caller may have exported (tests that start engines set what they need themselves), one torch
+thread per test process, and the ``slow`` mark of the tiers that start OS processes.
+
+The edit loop's tier is ``pytest -m "not slow"``: every unit of the code over the fake and the real
+engines, without the process tiers (``SLOW_TIERS``: each of their tests starts node processes and
+runs for seconds), without the few tests marked ``slow`` where they stand (a process each, or
+hundreds of generated examples), and with a test that runs once per engine run on NIXL only
+(an agent starts in well under a second; a Mooncake engine takes about one to stop), except in
+tests/backends, where the engine is the point.
 
 One thread, because torch's intra-op threads wait for each other at every parallel operation:
 on two cores shared with other processes, a byte check that takes 6 s ran for 3 min 42 s with
@@ -13,6 +20,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported, for this process too
 
@@ -51,6 +59,22 @@ def clear_engine_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in sorted(os.environ):
         if key.startswith(ENGINE_ENV_PREFIXES) and key not in INSTALL_PATHS:
             monkeypatch.delenv(key)
+
+
+# folders of tests/ whose tests start node processes: all ``slow``
+SLOW_TIERS = ("integration", "reliability", "gpu")
+ENGINE_PARAMS = ("engine", "backend", "backend_name")  # the fixtures and arguments naming one
+FAST_TIER_ENGINE = "nixl"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        folder = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        engines = {params[name] for name in ENGINE_PARAMS if name in params}
+        if folder in SLOW_TIERS or (folder != "backends" and engines - {FAST_TIER_ENGINE}):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_terminal_summary(terminalreporter):

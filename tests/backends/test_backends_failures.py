@@ -28,6 +28,7 @@ def one_page(local, peer, handle: str, *, timeout_s: float) -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["after a first write", "before any write"])
 def test_write_into_a_dead_peer_fails_fast(local, victim, when: str) -> None:
     handle = local.backend.connect(victim.metadata)
@@ -43,6 +44,7 @@ def test_write_into_a_dead_peer_fails_fast(local, victim, when: str) -> None:
     assert not isinstance(info.value, TransferTimeout), "the engine should notice, not our deadline"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["after a first write", "before any write"])
 def test_write_into_a_frozen_peer(local, victim, peer, when: str) -> None:
     """Ends on our deadline when the engine needs the peer; NIXL over CMA does not, once wired."""
@@ -60,6 +62,7 @@ def test_write_into_a_frozen_peer(local, victim, peer, when: str) -> None:
     one_page(local, peer, local.backend.connect(peer.metadata), timeout_s=5)
 
 
+@pytest.mark.slow
 def test_nixl_over_ucx_tcp_frozen_peer_times_out(monkeypatch) -> None:
     """Without CMA (UCX_TLS=tcp on both sides) a wired-up NIXL write needs the peer to run."""
     monkeypatch.setenv("UCX_TLS", "tcp")

@@ -102,6 +102,7 @@ def test_the_interface_of_an_address() -> None:
 MC_PORTS = (16420, 16519)  # narrowed with MC_MIN_RPC_PORT / MC_MAX_RPC_PORT (default 15000-17000)
 
 
+@pytest.mark.slow
 def test_mooncake_listens_on_every_interface() -> None:
     """KNOWN EXCEPTION, recorded exactly: Mooncake 0.3.13 has no setting that binds its listeners.
 

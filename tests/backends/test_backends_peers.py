@@ -47,6 +47,7 @@ def wait_for(predicate, timeout_s: float, what: str):
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["stopped", "killed"])
 def test_disconnect_closes_every_connection_to_a_departed_peer(local, victim, how: str) -> None:
     """Mooncake keeps its TCP lanes to a departed peer in CLOSE-WAIT (4 here) until it next uses
@@ -131,6 +132,7 @@ def silent_endpoint():
     server.close()
 
 
+@pytest.mark.slow
 def test_mooncake_silent_engine_endpoint_does_not_stall_other_peers(silent_endpoint) -> None:
     """Mooncake's own first contact with an endpoint that never answers holds an engine-wide
     lock for 60 s: every write of the engine, even a first one to a healthy peer, used to stall.

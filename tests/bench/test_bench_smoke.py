@@ -32,6 +32,7 @@ def test_quick_and_full_runs_measure_the_pool_on_the_requests_the_docs_report():
     assert SIZES["quick"].pool_tokens == SIZES["full"].pool_tokens == 8192
 
 
+@pytest.mark.slow
 def test_tiny_bench_reports_every_figure(tmp_path):
     pytest.importorskip("matplotlib", reason="the plots need matplotlib (the dev extra)")
     backends = [name for name in BACKENDS if engine_problem(name) is None]

@@ -277,6 +277,7 @@ def chunk_sizes(n: int):
 @settings(max_examples=80, deadline=None)
 @given(st.data(), request_locations(), st.permutations(range(1, BIG // PAGE + 1)),
        st.sampled_from([1, 2]), st.integers(0, 2**16))
+@pytest.mark.slow
 def test_cpu_copy_any_chunk_size_matches_oracle(pool_bytes, data, src, page_map, threads, seed):
     """Any positive chunk size copies the right bytes, whole pages falling anywhere in a chunk
     or across chunks; loaded to other pages (same offsets: whole pages stay whole)."""

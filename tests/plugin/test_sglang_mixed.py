@@ -161,6 +161,7 @@ def aborts():
         prefill.close()
 
 
+@pytest.mark.slow
 def test_sglangs_prefill_ranks_each_get_the_rooms_abort_again_and_again(aborts):
     prefill, sender = aborts(None)  # sglang's own prefill registers no kv_layout
     sender.notify(prefill.addr, 41, "the prefill registered kv_layout None")

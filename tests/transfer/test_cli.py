@@ -200,6 +200,7 @@ def test_help_exits_zero(capsys):
     assert "--concurrency" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("listen", "verbose"), [("127.0.0.1:0", False), ("localhost:0", True)])
 def test_prefill_exits_cleanly_on_sigterm(listen, verbose):
     """A long-lived prefill node stops on SIGTERM: exit code 0, its stand-in's line on stderr, and
@@ -266,6 +267,7 @@ def test_summary_text_names_each_rate(capsys):
     assert "transfer " not in alone and "stand-in" not in alone and "requests  1.00" in alone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_demo_is_quiet_and_separates_transfer_from_filling(backend):
     """A healthy demo with the engines' default log levels: no glog error line, no traceback;

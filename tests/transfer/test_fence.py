@@ -216,6 +216,7 @@ def test_a_prefill_restarted_on_the_same_port_is_handshaken_again(pair):
     assert decode.counters.snapshot()["peer_recoveries"] == 1
 
 
+@pytest.mark.slow
 def test_a_decode_the_prefill_dropped_comes_back_within_its_peer_timeout():
     """Decode silent past prefill's peer timeout (as a frozen decode is): prefill drops it and
     stops its heartbeats; decode, hearing nothing, marks the prefill dead and re-handshakes. A

@@ -335,6 +335,7 @@ print("served", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_waiting_on_incoming_with_a_timeout_survives_signals():
     """The launcher's main loop polls ``incoming`` with a timeout while SIGTERM may arrive. On
     CPython 3.11 a ``SimpleQueue.get(timeout)`` that a signal interrupts near its deadline

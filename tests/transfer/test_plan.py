@@ -142,6 +142,7 @@ page_lists = st.integers(1, 60).flatmap(lambda n: st.tuples(
 ))
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(page_lists, st.booleans())
 def test_runs_cover_exactly_the_per_page_ranges(lists, sort):

@@ -229,6 +229,7 @@ def test_a_decode_abort_before_readiness_fails_the_sender(engine, made, readines
     assert prefill.counters.snapshot().get("bad_messages", 0) == 0
 
 
+@pytest.mark.slow
 def test_a_deferred_sender_has_no_deadline_until_it_completes(engine, made):
     prefill = prefill_node(engine, made, request_timeout_s=3.0)  # (the transfer's time after it)
     decode = decode_node(engine, made, prefill)
@@ -260,6 +261,7 @@ def test_a_completed_deferred_sender_times_out_without_decode_pages(engine, made
     assert "timed out after 1s" in str(receiver.failure_exception())
 
 
+@pytest.mark.slow
 def test_decodes_deadline_starts_again_at_readiness(engine, made):
     prefill = prefill_node(engine, made)
     decode = decode_node(engine, made, prefill, request_timeout_s=3.0)

@@ -155,6 +155,7 @@ def test_encoding_round_trips_within_the_bound(stats):
     assert Stats.decode(bytearray(data)) == Stats.decode(memoryview(data)) == stats
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(STATS, STATS, STATS)
 def test_merging_is_commutative_and_associative_with_the_empty_stats_as_identity(a, b, c):

@@ -8,10 +8,8 @@ and asserts that every PID it started is gone. ``prefill`` / ``decode`` / ``driv
 
 from __future__ import annotations
 
-import ast
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -83,10 +81,11 @@ class Node:
         return self.process.returncode
 
     def counters(self) -> dict:
-        """The counters a stopped ``dsa-bridge prefill`` printed on exit."""
-        found = re.findall(r"\[prefill\] counters: (\{.*\})", self.output())
-        assert found, f"{self.name} printed no counters:\n{self.output()[-3000:]}"
-        return ast.literal_eval(found[-1])
+        """The counters a stopped ``dsa-bridge prefill`` wrote on exit (``prefill`` gives it a
+        ``--summary-file``)."""
+        path = self.log_path.with_suffix(".prefill.json")
+        assert path.exists(), f"{self.name} wrote no counters to {path}:\n{self.output()[-3000:]}"
+        return json.loads(path.read_text())["counters"]
 
 
 def signal_state(pid: int) -> str:
@@ -161,9 +160,11 @@ def wait_file(node: Node, path: Path, timeout_s: float = READY_TIMEOUT_S) -> dic
 
 def prefill(procs: Processes, host: Host, backend: str, *extra: str, name: str = "prefill",
             env: dict[str, str] | None = None) -> Node:
-    """``dsa-bridge prefill`` on the host's address; ``listening`` waits for its endpoint."""
+    """``dsa-bridge prefill`` on the host's address; ``listening`` waits for its endpoint; its
+    counters go to ``<name>.prefill.json`` when it stops (``Node.counters``)."""
     return procs.start(name, cli("prefill", "--listen", f"{host.address}:0", "--ready-file",
-                                 str(procs.tmp / f"{name}.ready.json"), "--backend", backend,
+                                 str(procs.tmp / f"{name}.ready.json"), "--summary-file",
+                                 str(procs.tmp / f"{name}.prefill.json"), "--backend", backend,
                                  *extra),
                        host, {**host.engine_env(backend), **(env or {})})
 

@@ -3,7 +3,7 @@
 sglang's ``load_plugins()`` calls ``register`` at the start of every scheduler process (and in
 the engine's main process, where the bootstrap server starts). It is opt-in twice over:
 installed, it does nothing unless ``SGLANG_PLUGINS`` names ``dsa_bridge`` (sglang loads every
-installed plugin when that variable is empty). Named, it registers two ``HookRegistry`` AROUND
+installed plugin when that variable is empty). Named, it registers three ``HookRegistry`` AROUND
 hooks:
 
 - on sglang's pool-class resolution (``KVCacheConfigurator._resolve_kv_pool_class``): where
@@ -18,7 +18,13 @@ hooks:
   model shows: dsa-bridge's manager takes KVArgs whose only state is sglang's DSA indexer
   (``StateType.DSA``, which sglang's ``setup_state_kv_args`` publishes for its DSA pools) and
   builds sglang's own manager of that backend for anything else; senders and receivers follow
-  their manager.
+  their manager;
+- on sglang's start of its shared Mooncake engine in every scheduler process
+  (``maybe_init_shared_mooncake_transfer_engine``, distributed/bootstrap.py): not started where PD
+  transfer over Mooncake is its only user (``mooncake_only_for_pd``), so a process runs one
+  engine, dsa-bridge's manager's; where dsa-bridge hands a pool to sglang's own Mooncake manager,
+  that engine is started then (``sglang_mooncake_engine``). Its other users (HiCache's Mooncake
+  store, encoder transfer, elastic EP) start it as sglang does.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ POOL_CLASS_RESOLVER = (
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_kv_pool_class"
 )
 KV_CLASS_RESOLVER = "sglang.srt.disaggregation.utils.get_kv_class"
+SHARED_ENGINE_START = ("sglang.srt.distributed.device_communicators.mooncake_transfer_engine."
+                       "maybe_init_shared_mooncake_transfer_engine")
 BRIDGED_BACKENDS = ("mooncake", "nixl")
 
 
@@ -70,6 +78,47 @@ def dsa_bridge_kv_class(original, transfer_backend, class_type):
     return chosen
 
 
+def mooncake_only_for_pd() -> bool:
+    """Whether sglang's shared Mooncake engine would serve PD transfer only (its other users, as
+    sglang 0.5.23's ``maybe_init_shared_mooncake_transfer_engine`` lists them, all off)."""
+    from sglang.srt.environ import envs
+    from sglang.srt.runtime_context import get_disagg, get_exec, get_memory
+
+    disagg, memory, moe = get_disagg(), get_memory(), get_exec().moe
+    pd = disagg.disaggregation_mode != "null" and disagg.disaggregation_transfer_backend == "mooncake"
+    others = ((memory.enable_hierarchical_cache and memory.hicache_storage_backend == "mooncake"
+               and envs.SGLANG_HICACHE_MOONCAKE_REUSE_TE.get())
+              or ((disagg.encoder_only or disagg.language_only)
+                  and disagg.encoder_transfer_backend == "mooncake")
+              or (moe.enable_elastic_expert_backup and moe.elastic_ep_backend is not None)
+              or moe.elastic_ep_backend == "mooncake")
+    return pd and not others
+
+
+def one_engine(original, *args, **kwargs):
+    """AROUND sglang's start of its shared Mooncake engine: skipped where only PD transfer would
+    use it (dsa-bridge's manager runs the process's one engine); started otherwise."""
+    if mooncake_only_for_pd():
+        log.info("dsa-bridge: sglang's shared Mooncake engine not started: dsa-bridge's manager runs "
+                 "this process's one engine (sglang's is started if its own manager takes a pool)")
+        return None
+    return original(*args, **kwargs)
+
+
+def sglang_mooncake_engine(gpu_id: int) -> None:
+    """Start sglang's shared Mooncake engine, as sglang would have at start-up, for sglang's own
+    Mooncake manager of a pool dsa-bridge does not move (a no-op where it runs already)."""
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        init_mooncake_transfer_engine,
+    )
+    from sglang.srt.runtime_context import get_disagg, get_exec
+    from sglang.srt.utils.network import get_local_ip_auto
+
+    init_mooncake_transfer_engine(hostname=get_local_ip_auto(), gpu_id=gpu_id,
+                                  ib_device=get_disagg().disaggregation_ib_device
+                                  or get_exec().moe.mooncake_ib_device)
+
+
 def register() -> None:
     """sglang's entry point: register the hooks, or nothing unless SGLANG_PLUGINS names us."""
     if not named_in_sglang_plugins():
@@ -79,3 +128,4 @@ def register() -> None:
 
     HookRegistry.register(POOL_CLASS_RESOLVER, dsa_pool_class, HookType.AROUND)
     HookRegistry.register(KV_CLASS_RESOLVER, dsa_bridge_kv_class, HookType.AROUND)
+    HookRegistry.register(SHARED_ENGINE_START, one_engine, HookType.AROUND)

@@ -110,6 +110,7 @@ from .decode_nodes import HTTP_TIMEOUT_S, STAGING_BYTES, DecodeNodes
 from .deferred_release import DeferredRelease, log_release_bounds
 from .early_send import EarlySendDispatcher
 from .engines import engine_options
+from .hooks import sglang_mooncake_engine
 from .kvargs import bridge_buffers, draft_entries, dsa_problem
 from .memory_kinds import hisparse_problem, kind_of, pointer_info
 from .mixed import PrefillAborts, layout_mark, policy_mark
@@ -142,6 +143,8 @@ class DSABridgeKVManager(BaseKVManager):
             return super().__new__(cls)
         fallback = sglang_class(backend_of(server_args), "KVManager")
         log.info("dsa-bridge: %s; sglang's %s moves this pool", problem, fallback.__name__)
+        if backend_of(server_args) == "mooncake":  # its engine was not started for dsa-bridge
+            sglang_mooncake_engine(getattr(args, "gpu_id", 0) or 0)
         return fallback(args, disaggregation_mode, server_args, is_mla_backend, **kwargs)
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False):

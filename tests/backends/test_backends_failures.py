@@ -95,4 +95,5 @@ def assert_times_out_twice(local, peer, handle: str, *, timeout_s: float) -> Non
                         f"{time.monotonic() - start:.2f} s (every thread of the peer stopped: "
                         f"{peer.threads_stopped()})")
         elapsed = time.monotonic() - start
-        assert timeout_s <= elapsed < timeout_s + 1.5, f"write {attempt} took {elapsed:.2f} s"
+        # the margin is for a loaded machine: what this guards against is Mooncake's 60 s stall
+        assert timeout_s <= elapsed < timeout_s + 3, f"write {attempt} took {elapsed:.2f} s"

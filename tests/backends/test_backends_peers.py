@@ -164,13 +164,15 @@ def test_mooncake_silent_engine_endpoint_does_not_stall_other_peers(silent_endpo
         assert not stuck.is_alive()
         error, elapsed = outcome
         assert isinstance(error, TransferTimeout) and error.op == "send_probe", error
-        assert 3 <= elapsed < 4.5, f"the write to the silent endpoint took {elapsed:.2f} s"
+        # (the margins are for a loaded machine: Mooncake's own stall would be 60 s)
+        assert 3 <= elapsed < 6, f"the write to the silent endpoint took {elapsed:.2f} s"
         got = np.frombuffer(cold.ask("read", 0, source.nbytes), dtype=np.uint8)
         assert np.array_equal(got, source), "the healthy peer's bytes differ"
         start = time.monotonic()  # a second write waits on the probe still in flight
         with pytest.raises(TransferTimeout, match="did not answer a probe"):
             spread_write(local, cold, silent, timeout_s=1)
-        assert 1 <= time.monotonic() - start < 2.5
+        elapsed = time.monotonic() - start
+        assert 1 <= elapsed < 4, f"the second write to the silent endpoint took {elapsed:.2f} s"
     finally:
         backend.close()
         assert cold.stop() == 0

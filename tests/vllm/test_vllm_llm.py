@@ -23,6 +23,7 @@ if VLLM_MISSING:
 
 from .llm_rank import PROMPT, TOKENS, write_model  # noqa: E402
 
+pytestmark = pytest.mark.slow  # each test starts vLLM processes (tests/conftest.py)
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 200.0
 

@@ -27,6 +27,7 @@ if VLLM_MISSING:
 
 from .harness import write_model  # noqa: E402
 
+pytestmark = pytest.mark.slow  # each test starts vLLM processes (tests/conftest.py)
 ROOT = Path(__file__).resolve().parents[2]
 REQUESTS = [["short", 1], ["page", 64], ["three", 130], ["long", 300]]
 START_S = 120.0  # a rank's start (vLLM's import and config) on two shared cores, and its run

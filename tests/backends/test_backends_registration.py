@@ -22,6 +22,7 @@ def refused_cases(registered: BufferDescriptor) -> dict[str, list[BufferDescript
         "zero length": [raw_region(BASE, 0)],
         "null pointer": [raw_region(0, 4096)],
         "unknown device": [raw_region(BASE, 4096, "gpu0")],
+        "host memory claimed as a GPU's": [raw_region(BASE, 4096, "cuda:0")],
         "duplicate in one call": [raw_region(BASE, 4096), raw_region(BASE, 4096)],
         "overlap in one call": [raw_region(BASE, 4096), raw_region(BASE + 4095, 10)],
         "duplicate of a registered region": [registered],

@@ -5,6 +5,7 @@ of the batch."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -74,5 +75,28 @@ def test_a_bad_region_is_refused_before_the_engine_sees_any(device, engine, bad,
         with pytest.raises(BackendError, match="register"):
             backend.register([*good[:3], region])
         assert seen == []  # nothing of the batch reached the engine
+    finally:
+        backend.close()
+
+
+def test_a_region_claimed_as_other_memory_is_refused_before_the_engine_sees_any(
+        device, engine, monkeypatch):
+    """A host buffer claimed as cuda:0 (here, where there is no CUDA driver, any cuda claim), and
+    on CUDA a device buffer claimed as cpu: the CUDA driver's answer for the pointer decides,
+    and the error names the buffer (layer id, cache)."""
+    pool = device_pool("deepseek-v3.2-fp8", device)
+    host = torch.zeros(1 << 16, dtype=torch.uint8)
+    good = pool.buffer_descriptors()
+    wrong = [raw_region(host.data_ptr(), host.numel(), "cuda:0"),
+             msgspec.structs.replace(good[0], device="cpu" if device != "cpu" else "cuda:0")]
+    backend = create_backend(engine, host="127.0.0.1")
+    seen = []
+    monkeypatch.setattr(backend, "_register_region", seen.append)
+    try:
+        for region in wrong:
+            with pytest.raises(BackendError, match="claims") as refused:
+                backend.register([*good[1:4], region])
+            assert str(region) in str(refused.value) and "\n" not in str(refused.value)
+        assert seen == []  # nothing of either batch reached the engine
     finally:
         backend.close()

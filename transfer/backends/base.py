@@ -10,7 +10,9 @@ regions both sides announced before calling ``write``.
 - The checks, always made before a single call into an engine: regions are refused when
   zero-length, null, duplicate or overlapping (``RegionTable.check_new``), a write's arrays when
   ragged, empty, zero-length, null or overlapping in the destination (``check_write_args``), its
-  timeout unless positive and finite (``check_timeout``).
+  timeout unless positive and finite (``check_timeout``); at ``EngineBackend.register``, a
+  region whose claimed device ("cpu", "cuda:N") is not the memory its pointer is
+  (``memory_kinds.device_problem``: the CUDA driver's answer; without CUDA, any "cuda:N").
 - ``EngineBackend`` is the base of both engine backends: registration of all regions or none (a
   failure rolls back the ones registered), deregistration at close, and the template ``write``:
   the checks, then the engine's own ``_write``, whose bookkeeping under the lock (backend open,
@@ -35,6 +37,7 @@ from typing import Generic, Protocol, TypeVar
 import numpy as np
 
 from ...plugin.descriptors import BufferDescriptor
+from ..memory_kinds import device_problem, process_lookup
 
 log = logging.getLogger(__name__)
 
@@ -307,6 +310,11 @@ class EngineBackend(ABC, Generic[PeerT]):
         with self._lock:
             self._check_open("register")
             self._regions.check_new(regions)
+            lookup = process_lookup()
+            for region in regions:
+                problem = device_problem(region, lookup)
+                if problem:
+                    raise BackendError(self.name, "register", problem)
             done: list[BufferDescriptor] = []
             for region in regions:
                 try:

@@ -124,7 +124,7 @@ class DeferredRelease:
         now); returns how many failed."""
         live = list(self._live.values())
         for receiver in live:
-            receiver._fail(reason)
+            receiver.fail(reason)
         self._live.clear()
         self._unreleased.clear()
         return len(live)

@@ -117,6 +117,7 @@ from .mixed import PrefillAborts, layout_mark, policy_mark
 from .paged_buffers import PagedBuffers
 from .phases import PhaseLimits
 from .pool import stage_start_layer
+from .rank_config import read_rank_config
 from .rank_metrics import RankMetrics, RankReading, exported
 from .stage_consensus import StageConsensus
 from .tuning import TUNING_ENVS, heartbeat_line, ignored_lines, read_tuning
@@ -154,11 +155,11 @@ class DSABridgeKVManager(BaseKVManager):
         self.is_mla_backend = is_mla_backend
         self.backend = backend_of(server_args)
         parallel = get_parallel()
-        self.attn_tp_size, self.attn_tp_rank = parallel.attn_tp_size, parallel.attn_tp_rank
-        self.attn_dp_size, self.attn_dp_rank = parallel.attn_dp_size, parallel.attn_dp_rank
-        self.pp_size, self.pp_rank = parallel.pp_size, getattr(args, "pp_rank", 0) or 0
-        self.system_dp_size = parallel.dp_size
-        self.system_dp_rank = getattr(args, "system_dp_rank", 0) or 0
+        rank = self.rank = read_rank_config(parallel, args)  # (rank_config.py; sglang's names below)
+        self.attn_tp_size, self.attn_tp_rank = rank.attn_tp_size, rank.attn_tp_rank
+        self.attn_dp_size, self.attn_dp_rank = rank.attn_dp_size, rank.attn_dp_rank
+        self.pp_size, self.pp_rank = rank.pp_size, rank.pp_rank
+        self.system_dp_size, self.system_dp_rank = rank.system_dp_size, rank.system_dp_rank
         self.local_ip = get_local_ip_auto()
         ib_devices = get_ib_devices_for_gpu(getattr(args, "ib_device", None),
                                             getattr(args, "gpu_id", 0) or 0)
@@ -174,15 +175,14 @@ class DSABridgeKVManager(BaseKVManager):
             ucx_net_devices=ucx_net_devices)
         self._transport_logged = False
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
-        self.attn_cp_size, self.attn_cp_rank = parallel.attn_cp_size, parallel.attn_cp_rank
-        problems = cp_problems(
-            prefill=prefill, attn_cp_size=self.attn_cp_size,
-            kv_sharding=bool(parallel.enable_kv_cache_sharding),
-            cp_tp_group_sharing=bool(parallel.enable_cp_tp_group_sharing))
+        self.attn_cp_size, self.attn_cp_rank = rank.attn_cp_size, rank.attn_cp_rank
+        problems = cp_problems(prefill=prefill, attn_cp_size=self.attn_cp_size,
+                               kv_sharding=rank.kv_sharding,
+                               cp_tp_group_sharing=rank.cp_tp_group_sharing)
         if problems:
             raise ValueError("dsa-bridge's transfer does not serve " + "; ".join(problems)
                              + " (docs/sglang.md)")
-        layer_split = bool(parallel.enable_dsa_cache_layer_split)
+        layer_split = rank.layer_split
         # the share of each request's pages this prefill rank writes, when they are split
         self.page_share = page_share(
             attn_cp_size=self.attn_cp_size, attn_cp_rank=self.attn_cp_rank,
@@ -420,6 +420,21 @@ class DSABridgeKVManager(BaseKVManager):
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         return self.decode_nodes.try_ensure_parallel_info(bootstrap_addr)
+
+    def decode_node_for(self, bootstrap_addr: str, dp_rank: int):
+        """A receiver's prefill DP group: its ``(DecodeNode, PrefillGroup)`` once connected, None
+        while connecting (``DecodeNodes.node_for``)."""
+        return self.decode_nodes.node_for(bootstrap_addr, dp_rank)
+
+    def prefill_refusal(self, bootstrap_addr: str) -> str | None:
+        """Why this rank refuses the prefill at ``bootstrap_addr``; None when it does not."""
+        return self.decode_nodes.refusal(bootstrap_addr)
+
+    def drop_announcements(self) -> None:
+        """Empty the prefill node's ``incoming`` (rooms decode announced before their sender was
+        made): sglang makes a sender per request itself, so they are informational only."""
+        while not self.node.incoming.empty():
+            self.node.incoming.get_nowait()
 
     def register_deferred_abort_room(self, bootstrap_room: int) -> int:
         return self.deferred_release.register_deferred_abort_room(bootstrap_room)

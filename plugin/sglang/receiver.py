@@ -67,9 +67,10 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         self._phases = PhaseClock("decode", mgr.phase_limits, time.monotonic(),  # sglang's deadlines
                                   deferred=mgr.defer_allocation)
 
-    def _fail(self, reason: str, *, logged: bool = False) -> None:
+    def fail(self, reason: str, *, logged: bool = False) -> None:
         """Fail the request; ``logged`` when the manager already logged the reason (once for
-        every request of that prefill)."""
+        every request of that prefill). The manager's parts call it too (sglang's memory saver
+        releasing the cache: ``DeferredRelease.fail_all``)."""
         if self._failed is None:
             if not logged:
                 log.warning("dsa-bridge: room %s failed: %s", self.bootstrap_room, reason)
@@ -88,10 +89,10 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         meanwhile (an abort) still tells its prefill, at once."""
         dp_rank = self._dp_rank
         try:  # the manager logs a refusal or a failed connection once, not per request
-            connected = self.kv_mgr.decode_nodes.node_for(self.bootstrap_addr, dp_rank)
+            connected = self.kv_mgr.decode_node_for(self.bootstrap_addr, dp_rank)
         except (HandshakeError, RuntimeError, ValueError, OSError) as exc:
             self._dp_rank = None
-            self._fail(f"prefill {self.bootstrap_addr} (dp {dp_rank}): {exc}", logged=True)
+            self.fail(f"prefill {self.bootstrap_addr} (dp {dp_rank}): {exc}", logged=True)
             return
         if connected is None:
             return
@@ -103,7 +104,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
                                                  reserve=self.kv_mgr.defer_allocation,
                                                  shares=self._group.shares)
         except ValueError as exc:
-            self._fail(f"prefill {self.bootstrap_addr} (dp {dp_rank}): {exc}")
+            self.fail(f"prefill {self.bootstrap_addr} (dp {dp_rank}): {exc}")
             return
         self.bootstrap_infos = [peer.endpoint for peer in self._receiver.peers]
         self.kv_mgr.deferred_release.track(self)
@@ -113,7 +114,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
     def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None,
                       destination=KVTransferDestination.DEVICE, device_kv_indices=None) -> None:
         if self._receiver is None:
-            self._fail("send_metadata before a successful init")
+            self.fail("send_metadata before a successful init")
             return
         if self._failed is not None:
             return
@@ -128,14 +129,14 @@ class DSABridgeKVReceiver(BaseKVReceiver):
             else self._state_problem(state_indices, pages)
             or self._device_kv_problem(device_kv_indices, state_indices))
         if problem:
-            self._fail(problem)  # prefill's sender is told at once (it fails, not times out)
+            self.fail(problem)  # prefill's sender is told at once (it fails, not times out)
             return
         index_pages = self._index_pages(state_indices)
         try:
             self._receiver.init(pages, aux_index=aux_index, prefix_tokens=prefix,
                                 copies=self._group.copies, index_page_ids=index_pages)
         except ValueError as exc:
-            self._fail(f"bad metadata: {exc}")
+            self.fail(f"bad metadata: {exc}")
             return
         if self._group.idle:  # a wider prefill: its other ranks end the request writing nothing
             self._node.nothing_to_send(self.bootstrap_room, list(self._group.idle),
@@ -190,7 +191,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         expired = self._phases.expired(time.monotonic())
         if expired is None:
             return status
-        self._fail(expired)
+        self.fail(expired)
         return KVPoll.Failed
 
     def fail_recompute(self, reason: str) -> None:
@@ -203,13 +204,13 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         if self._recompute_failure is not None:
             reason, self._recompute_failure = self._recompute_failure, None
             if self._receiver is None or self._receiver.poll() != KVPoll.Success:
-                self._fail(reason)
+                self.fail(reason)
         if self._dp_rank is not None:  # its node was being connected
             self._attach()
         if self._failed is None and self._receiver is None:
-            refusal = self.kv_mgr.decode_nodes.refusal(self.bootstrap_addr)
+            refusal = self.kv_mgr.prefill_refusal(self.bootstrap_addr)
             if refusal is not None:  # sglang's queue never calls init for a refused prefill
-                self._fail(refusal, logged=True)
+                self.fail(refusal, logged=True)
                 self.kv_mgr.tell_sglang_prefill(self.bootstrap_addr, self.bootstrap_room, refusal)
         if self._failed is not None:
             return KVPoll.Failed
@@ -229,7 +230,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         prefill; the fence holds the pages until no write can land), before sglang frees them."""
         exc = self._receiver.failure_exception() if self._receiver is not None else None
         if self._failed is None and exc is None:
-            self._fail(ANOTHER_RANK_FAILED, logged=True)
+            self.fail(ANOTHER_RANK_FAILED, logged=True)
             self._failed.from_another_rank = True
         if self._failed is not None:
             raise self._failed.exception()
@@ -237,7 +238,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
 
     def abort(self) -> None:
         """sglang's abort (a client's, or its own): fail the request and tell the prefill."""
-        self._fail("aborted by sglang")
+        self.fail("aborted by sglang")
         self.ensure_abort_notified()
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
@@ -268,7 +269,7 @@ class DSABridgeKVReceiver(BaseKVReceiver):
         one whose fence still holds is a forced release (counted); the request leaves the node
         once its fence lifts."""
         if self._dp_rank is not None:  # connecting: a connection made now tells its prefill
-            self._fail("cleared by sglang", logged=True)
+            self.fail("cleared by sglang", logged=True)
             self._attach()
         if self._receiver is None:
             return

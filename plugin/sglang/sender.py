@@ -89,8 +89,7 @@ class DSABridgeKVSender(BaseKVSender):
             self._sender, self._dummy = None, DummyCPRequest()
             mgr.stages.track(self)
             return
-        while not mgr.node.incoming.empty():  # rooms decode announced first: informational only
-            mgr.node.incoming.get_nowait()
+        mgr.drop_announcements()  # rooms decode announced first: informational only
         try:
             if mgr.memory_released:
                 raise ValueError("this rank's cache memory is released (sglang's "

@@ -115,7 +115,8 @@ def _import_engine() -> type:
             "mooncake",
             "import",
             f"cannot import mooncake.engine ({exc}); install mooncake-transfer-engine-non-cuda "
-            f"(no CUDA) or mooncake-transfer-engine (CUDA){hint}",
+            "on a host without CUDA, or on a CUDA host mooncake-transfer-engine-cuda13 (CUDA 13) "
+            f"or mooncake-transfer-engine (CUDA 12){hint}",
         ) from exc
     return TransferEngine
 

@@ -81,7 +81,8 @@ def _import_nixl() -> tuple[Any, tuple[type[Exception], ...]]:
         )
         return api, errors
     raise BackendUnavailable(
-        "nixl", "import", f"no NIXL package ({'; '.join(missing)}); install nixl-cu12 (bundles UCX)"
+        "nixl", "import", f"no NIXL package ({'; '.join(missing)}); install nixl-cu12 (no CUDA "
+        "or CUDA 12) or nixl-cu13 (CUDA 13), each bundles UCX"
     )
 
 

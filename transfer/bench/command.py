@@ -58,7 +58,8 @@ TARGETS = {"ratio_vs_raw": 0.9, "plan_share": 0.02, "pool_vs_memcpy": 0.5,
            "vs_contiguous": {"mooncake": 0.8, "nixl": 0.65}, "staged_descriptors": 64,
            "auto_vs_faster": AUTO_VS_FASTER}
 TARGET_CONCURRENCY = (16, 64)  # requests in flight the concurrent_ratio_vs_raw target covers
-ENGINE_PACKAGES = ("mooncake-transfer-engine-non-cuda", "nixl-cu12")
+ENGINE_PACKAGES = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine-cuda13",
+                   "mooncake-transfer-engine", "nixl-cu12", "nixl-cu13")  # CPU and CUDA hosts' wheels
 QUIET_ENV = {"MC_LOG_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "ERROR", "UCX_LOG_LEVEL": "error"}
 SECTIONS = ("core", "routes", "gpu", "sglang")  # core: the figures of every section but these
 DEFAULT_SECTIONS = ("core", "gpu", "sglang")  # routes: core's route sweeps alone

@@ -20,7 +20,9 @@ class Sizes:
     sweep_tokens: int  # the layer and page-pattern sweeps' request length; one of ``lengths``
     plan_lengths: tuple[int, ...]  # planning cost (address math only: no memory)
     pool_tokens: int  # tokens per pool operation (the docs report 8192: full and quick)
-    crossover_runs: tuple[int, ...] = ()  # pages per descriptor of the route crossover sweep
+    # pages per descriptor of the route crossover sweep, from 2: one page per descriptor is the
+    # descriptors sweep's per_page (runs_1 is the same page lists)
+    crossover_runs: tuple[int, ...] = ()
 
 
 SIZES = {
@@ -29,11 +31,11 @@ SIZES = {
                   layer_counts=(1, 4, 16, 39, 78), concurrency=(1, 4, 16, 64),
                   concurrency_tokens=256, sweep_tokens=8192,
                   plan_lengths=(64, 1024, 4096, 16384, 65536, 131072), pool_tokens=8192,
-                  crossover_runs=(1, 2, 4, 8, 16)),
+                  crossover_runs=(2, 4, 8, 16)),
     "quick": Sizes(repeat=3, lengths=(1024, 8192, 16384), long_lengths=(131072,), long_layers=8,
                    layer_counts=(78,), concurrency=(1, 16, 64), concurrency_tokens=256,
                    sweep_tokens=8192, plan_lengths=(64, 8192, 131072), pool_tokens=8192,
-                   crossover_runs=(1, 2, 4, 8, 16)),
+                   crossover_runs=(2, 4, 8, 16)),
     "tiny": Sizes(repeat=1, lengths=(64, 256), long_lengths=(512,), long_layers=2,
                   layer_counts=(2,), concurrency=(1, 2), concurrency_tokens=64,
                   sweep_tokens=256, plan_lengths=(64, 1024), pool_tokens=256, crossover_runs=(2,)),

@@ -23,7 +23,7 @@ hooks:
   (``maybe_init_shared_mooncake_transfer_engine``, distributed/bootstrap.py): not started where PD
   transfer over Mooncake is its only user (``mooncake_only_for_pd``), so a process runs one
   engine, dsa-bridge's manager's; where dsa-bridge hands a pool to sglang's own Mooncake manager,
-  that engine is started then (``sglang_mooncake_engine``). Its other users (HiCache's Mooncake
+  that engine is started then (``manager.sglang_mooncake_engine``). Its other users (HiCache's Mooncake
   store, encoder transfer, elastic EP) start it as sglang does.
 """
 
@@ -103,20 +103,6 @@ def one_engine(original, *args, **kwargs):
                  "this process's one engine (sglang's is started if its own manager takes a pool)")
         return None
     return original(*args, **kwargs)
-
-
-def sglang_mooncake_engine(gpu_id: int) -> None:
-    """Start sglang's shared Mooncake engine, as sglang would have at start-up, for sglang's own
-    Mooncake manager of a pool dsa-bridge does not move (a no-op where it runs already)."""
-    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
-        init_mooncake_transfer_engine,
-    )
-    from sglang.srt.runtime_context import get_disagg, get_exec
-    from sglang.srt.utils.network import get_local_ip_auto
-
-    init_mooncake_transfer_engine(hostname=get_local_ip_auto(), gpu_id=gpu_id,
-                                  ib_device=get_disagg().disaggregation_ib_device
-                                  or get_exec().moe.mooncake_ib_device)
 
 
 def register() -> None:

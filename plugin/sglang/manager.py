@@ -110,7 +110,6 @@ from .decode_nodes import HTTP_TIMEOUT_S, STAGING_BYTES, DecodeNodes
 from .deferred_release import DeferredRelease, log_release_bounds
 from .early_send import EarlySendDispatcher
 from .engines import engine_options
-from .hooks import sglang_mooncake_engine
 from .kvargs import bridge_buffers, draft_entries, dsa_problem
 from .memory_kinds import hisparse_problem, kind_of, pointer_info
 from .mixed import PrefillAborts, layout_mark, policy_mark
@@ -583,6 +582,20 @@ def kv_shard(is_mla_backend: bool) -> tuple[int, int] | None:
 
     group = get_kv_shard_group(is_mla_backend)
     return group.rank_in_group, group.world_size
+
+
+def sglang_mooncake_engine(gpu_id: int) -> None:
+    """Start sglang's shared Mooncake engine, as sglang would have at start-up, for sglang's own
+    Mooncake manager of a pool dsa-bridge does not move (a no-op where it runs already)."""
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        init_mooncake_transfer_engine,
+    )
+    from sglang.srt.runtime_context import get_disagg, get_exec
+    from sglang.srt.utils.network import get_local_ip_auto
+
+    init_mooncake_transfer_engine(hostname=get_local_ip_auto(), gpu_id=gpu_id,
+                                  ib_device=get_disagg().disaggregation_ib_device
+                                  or get_exec().moe.mooncake_ib_device)
 
 
 def _cuda() -> bool:

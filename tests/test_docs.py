@@ -41,10 +41,7 @@ FOREIGN_ROOTS = {"sglang", "torch", "np", "numpy", "mooncake", "glibc", "vllm"}
 FOREIGN_ENV = ("MC_", "UCX_", "NIXL_", "SGLANG_", "GLIBC_", "OMP_")
 FOREIGN = {
     # SGLang 0.5.23: classes, attributes, files, server flags
-    "DSA_TAIL", "HiSparseDSATokenToKVPool", "IndexKeyCache", "PageInterleaveDSATokenToKVPool",
-    "attn_dcp_size", "disagg_prefill_dp_rank", "index_put", "pd_role_switch", "prefill_complete",
-    "configs/deepseek_ocr.py", "configs/nano_nemotron_vl.py",
-    "multimodal/internvl_utils.py",
+    "index_put", "prefill_complete",
     "--disaggregation-enable-kv-checksum", "--disaggregation-mode", "--disaggregation-transfer-backend",
     # vLLM 0.32.0: connector API, config keys
     "SupportsHMA", "kv_buffer_device",

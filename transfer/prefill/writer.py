@@ -282,6 +282,9 @@ class Writer:
             if entry.route == STAGED:  # checksummed as its slices are gathered
                 self._write_batch(peer, direct)
                 direct = []
+                if job.sender.state.status == KVPoll.Failed:  # in the batch just written
+                    self._report(Result(job, ok=False))
+                    continue
                 self._write_staged(job, entry.plan)
                 continue
             try:

@@ -91,6 +91,7 @@ class ControlLoop:
         self._window_start = 0.0
         self._logged = 0  # dropped messages logged one by one in this window
         self._suppressed = 0  # ...and not logged
+        self._drop_lock = threading.Lock()  # the four fields above: ``dropped`` from any thread
         self._wake_lock = threading.Lock()
         self._wake_r = self._wake_w = -1  # the wake-up pipe, open while the loop runs
         self._wake_pending = False  # a send has woken the loop since its last flush
@@ -176,9 +177,9 @@ class ControlLoop:
             message = protocol.decode(frames[-1], self._limits[sock])
             self._on_message(sock, identity, message)
         except ProtocolError as exc:
-            self._dropped(str(exc), bug=False)
+            self.dropped(str(exc))
         except Exception as exc:  # a handler bug must not take the node down
-            self._dropped(f"{type(exc).__name__}: {exc}", bug=True)
+            self.dropped(f"{type(exc).__name__}: {exc}", bug=True)
         return True
 
     def _receive(self, ready: list[zmq.Socket]) -> bool:
@@ -201,13 +202,17 @@ class ControlLoop:
                     return True
         return False
 
-    def _dropped(self, error: str, *, bug: bool) -> None:
-        self.bad_messages += 1
-        self.last_error = error
-        if self._logged >= LOG_BURST:
-            self._suppressed += 1
-            return
-        self._logged += 1
+    def dropped(self, error: str, *, bug: bool = False) -> None:
+        """Count a message dropped as malformed or out of place (``bad_messages``) and log it
+        within the burst; called by the control thread, or by a thread that handles messages the
+        control thread deferred to it (decode's scatter thread), so under a lock of its own."""
+        with self._drop_lock:
+            self.bad_messages += 1
+            self.last_error = error
+            if self._logged >= LOG_BURST:
+                self._suppressed += 1
+                return
+            self._logged += 1
         if bug:
             log.exception("%s: handling a message failed", self.name)
         else:
@@ -217,10 +222,12 @@ class ControlLoop:
         """Every LOG_WINDOW_S (and on stop): summarise the drops not logged one by one."""
         if not final and now - self._window_start < LOG_WINDOW_S:
             return
-        if self._suppressed:
+        with self._drop_lock:
+            suppressed, last, start = self._suppressed, self.last_error, self._window_start
+            self._window_start, self._logged, self._suppressed = now, 0, 0
+        if suppressed:
             log.warning("%s: dropped %d more messages in %.1fs, not logged one by one; last: %s",
-                        self.name, self._suppressed, now - self._window_start, self.last_error)
-        self._window_start, self._logged, self._suppressed = now, 0, 0
+                        self.name, suppressed, now - start, last)
 
     def _run(self) -> None:
         poller = zmq.Poller()

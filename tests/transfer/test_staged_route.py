@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
+from dsa_bridge.transfer import protocol
 from dsa_bridge.transfer.backends import create_backend
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.decode.scatter import SliceScatter
@@ -292,3 +294,39 @@ def test_auto_times_each_route_then_weighs_them(nodes):
     wait_for(lambda: None not in costs.per_byte(16, 2 * LAYOUT_PAGE_BYTES).values(), 10,
              "both routes timed")
     assert all(v > 0 for v in costs.per_byte(16, 2 * LAYOUT_PAGE_BYTES).values())
+
+
+def test_a_message_dropped_behind_a_slice_is_counted_as_the_control_thread_counts_it():
+    """A report that waited behind a staged slice and is then refused on the scatter thread (a
+    room decode no longer knows) counts as a dropped message, as it would on the control thread."""
+    dropped: list[tuple[str, bool]] = []
+    lock = threading.Lock()
+    scatter = SliceScatter(make_pool(), "decode-test", lock, peers=1, send=lambda *_: None,
+                           dropped=lambda error, bug=False: dropped.append((error, bug)),
+                           staging_bytes=0)
+    peer = SimpleNamespace(endpoint="127.0.0.1:1")
+    gate, unknown = threading.Event(), protocol.ChunkDone(7, 0, ok=True, last=True)
+
+    def first(peer, message, now):  # the slice ahead: holds the queue until the gate opens
+        gate.wait(10)
+
+    def refuse(peer, message, now):
+        raise protocol.ProtocolError(f"chunk report for unknown room {message.room}")
+
+    def crash(peer, message, now):
+        raise KeyError("a handler bug")
+
+    try:
+        with lock:
+            scatter._queue_locked((peer, first, None))
+            scatter.in_order_locked(refuse, peer, unknown, 0.0)  # a slice waits: deferred
+            scatter.in_order_locked(crash, peer, unknown, 0.0)
+        assert not dropped
+        gate.set()
+        wait_for(lambda: len(dropped) == 2, 10, "both deferred messages counted",
+                 detail=lambda: f"{dropped}")
+        assert dropped[0] == ("from prefill 127.0.0.1:1: chunk report for unknown room 7", False)
+        assert dropped[1][1] is True and "KeyError" in dropped[1][0], dropped
+    finally:
+        gate.set()
+        scatter.close()

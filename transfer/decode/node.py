@@ -108,6 +108,7 @@ class DecodeNode:
         endpoints = [prefill] if isinstance(prefill, str) else list(prefill)
         self._scatter = SliceScatter(pool, self.name, self._lock, peers=len(endpoints),
                                      send=self._send,
+                                     dropped=lambda *a, **kw: self._loop.dropped(*a, **kw),
                                      staging_bytes=staging_bytes, slice_bytes=slice_bytes)
         self.counters.add(staging_bytes=self._scatter.nbytes)
         try:

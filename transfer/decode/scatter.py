@@ -16,7 +16,8 @@ While a scatter into a request's pages may run, the request counts it (``KVRecei
 and its pages are not released. The node's other messages keep their order behind the slices
 (``in_order_locked``): handled at once when no slice waits, else queued and handled by the scatter
 thread (with the node's lock) once the slices before them are scattered. A staged chunk's report
-thus counts, and its checksums are verified, over the pages as the scatter left them.
+thus counts, and its checksums are verified, over the pages as the scatter left them; a message
+dropped there is counted as the control thread counts its own (``ControlLoop.dropped``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class SliceScatter:
 
     def __init__(self, pool, name: str, lock: threading.Lock, *, peers: int,
                  send: Callable[[zmq.Socket, protocol.Message], None],
+                 dropped: Callable[..., None],
                  staging_bytes: int | None = None, slice_bytes: int | None = None):
         pool_bytes = sum(b.nbytes for b in pool.buffer_descriptors())
         self.nbytes, self.slice_bytes = staging_size(staging_for(pool, staging_bytes), pool_bytes,
@@ -56,6 +58,7 @@ class SliceScatter:
         self._pool = pool
         self._lock = lock
         self._send = send
+        self._dropped = dropped  # counts a deferred message dropped, as the control loop does
         self._pending = 0  # jobs queued or running (node's lock)
         self._views = {(d.layer_id, d.kind): pool.page_view(d.layer_id, d.kind)
                        for d in pool.buffer_descriptors()} if self.nbytes else {}
@@ -126,10 +129,10 @@ class SliceScatter:
                 with self._lock:
                     receiver(peer, message, time.monotonic())  # a deferred handler
         except protocol.ProtocolError as exc:
-            log.warning("dropped a message from prefill %s: %s", peer.endpoint, exc)
-        except Exception:  # a bug must not stop the thread
-            log.exception("handling a %s from prefill %s failed", type(message).__name__,
-                          peer.endpoint)
+            self._dropped(f"from prefill {peer.endpoint}: {exc}")
+        except Exception as exc:  # a bug must not stop the thread
+            self._dropped(f"a {type(message).__name__} from prefill {peer.endpoint}: "
+                          f"{type(exc).__name__}: {exc}", bug=True)
         finally:
             with self._lock:
                 self._pending -= 1

@@ -96,6 +96,7 @@ from ...transfer import auth
 from ...transfer.backends import create_backend
 from ...transfer.backends.environment import rdma_devices
 from ...transfer.counters import merge
+from ...transfer.memory_kinds import kind_of, pointer_info
 from ...transfer.plan import as_aux_buffers
 from ...transfer.prefill import PrefillNode
 from .bringup import (
@@ -111,7 +112,7 @@ from .deferred_release import DeferredRelease, log_release_bounds
 from .early_send import EarlySendDispatcher
 from .engines import engine_options
 from .kvargs import bridge_buffers, draft_entries, dsa_problem
-from .memory_kinds import hisparse_problem, kind_of, pointer_info
+from .memory_kinds import hisparse_problem
 from .mixed import PrefillAborts, layout_mark, policy_mark
 from .paged_buffers import PagedBuffers
 from .phases import PhaseLimits

@@ -6,30 +6,14 @@ decode KV pointers are host memory (decode.py ``_init_kv_manager``: the HiSparse
 host pool) while the DSA indexer stays on the GPU, and the metadata (aux) buffers are host memory
 unless ``SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK`` puts them on the GPU. So the kind of
 each buffer is read from its pointer, by the core's ``transfer/memory_kinds.py`` (``kind_of``,
-``pointer_info``, re-exported here; the engines' ``register`` checks each region's claimed device
-against it too):
+``pointer_info``; the engines' ``register`` checks each region's claimed device against it too).
+This module keeps what is sglang's:
 
 - ``hisparse_problem``: why a decode rank with HiSparse is refused at start-up (with a draft
   model over NIXL, which sglang's own decode refuses), naming the flag.
 """
 
 from __future__ import annotations
-
-from ...transfer.memory_kinds import (
-    CU_MEMORYTYPE_DEVICE,
-    CU_MEMORYTYPE_HOST,
-    CU_MEMORYTYPE_UNIFIED,
-    HOST,
-    PINNED_HOST,
-    MemoryKind,
-    PointerInfo,
-    kind_of,
-    pointer_info,
-)
-
-__all__ = ["CU_MEMORYTYPE_DEVICE", "CU_MEMORYTYPE_HOST", "CU_MEMORYTYPE_UNIFIED", "HOST",
-           "PINNED_HOST", "MemoryKind", "PointerInfo", "hisparse_problem", "kind_of",
-           "pointer_info"]
 
 
 def hisparse_problem(decode: bool, enable_hisparse: bool, draft_entries: int = 0,

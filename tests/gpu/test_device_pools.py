@@ -11,9 +11,9 @@ import torch
 
 from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
 from dsa_bridge.plugin.descriptors import BufferDescriptor, raw_region
-from dsa_bridge.plugin.sglang.memory_kinds import kind_of, pointer_info
 from dsa_bridge.transfer.backends import create_backend
 from dsa_bridge.transfer.backends.base import BackendError
+from dsa_bridge.transfer.memory_kinds import kind_of, pointer_info
 
 from .conftest import POOLS
 

@@ -25,7 +25,8 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SGLangPool  # n
 
 from dsa_bridge.plugin.sglang.conn import DSABridgeKVManager  # noqa: E402
 from dsa_bridge.plugin.sglang.kvargs import bridge_buffers  # noqa: E402
-from dsa_bridge.plugin.sglang.memory_kinds import (  # noqa: E402
+from dsa_bridge.plugin.sglang.memory_kinds import hisparse_problem  # noqa: E402
+from dsa_bridge.transfer.memory_kinds import (  # noqa: E402
     CU_MEMORYTYPE_DEVICE,
     CU_MEMORYTYPE_HOST,
     CU_MEMORYTYPE_UNIFIED,
@@ -33,7 +34,6 @@ from dsa_bridge.plugin.sglang.memory_kinds import (  # noqa: E402
     PINNED_HOST,
     MemoryKind,
     PointerInfo,
-    hisparse_problem,
     kind_of,
     pointer_info,
 )

@@ -1,7 +1,11 @@
 """Suite-wide: which engines and devices this machine has, skips with reasons, a closing report
 of every skipped suite so a green run cannot hide one, the clearing of the engine settings a
 caller may have exported (tests that start engines set what they need themselves), one torch
-thread per test process, and the ``slow`` mark of the tiers that start OS processes.
+thread per test process, the ``slow`` mark of the tiers that start OS processes, and the node
+fixtures the folders share (``engine``, ``made``, ``nodes``).
+
+The folders are named after the code they test (``tests/test_structure.py``: ``TEST_FOLDERS``);
+``integration``, ``reliability`` and ``gpu`` are the tiers that run the nodes as OS processes.
 
 The edit loop's tier is ``pytest -m "not slow"``: every unit of the code over the fake and the real
 engines, without the process tiers (``SLOW_TIERS``: each of their tests starts node processes and
@@ -29,6 +33,10 @@ from hypothesis import settings  # noqa: E402
 
 from dsa_bridge.transfer.backends import create_backend  # noqa: E402
 from dsa_bridge.transfer.backends.base import BackendUnavailable  # noqa: E402
+from dsa_bridge.transfer.decode import DecodeNode  # noqa: E402
+from dsa_bridge.transfer.prefill import PrefillNode  # noqa: E402
+from tests.transfer.fake_backend import FakeBackend  # noqa: E402
+from tests.transfer.helpers import make_pool  # noqa: E402
 
 # Hypothesis fails an example that runs over 200 ms of wall time: on two cores shared with other
 # work a healthy example can (a loaded run failed test_pieces_cover_exactly_the_same_bytes so).
@@ -94,3 +102,39 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("dsa-bridge: skipped suites")
     for reason, count in reasons.most_common():
         terminalreporter.write_line(f"{count:4d} skipped: {reason}")
+
+
+@pytest.fixture(params=["mooncake", "nixl"])
+def engine(request, monkeypatch):
+    """Each real engine in turn (a missing one skips), the caller's engine settings cleared."""
+    require_engine(request.param)
+    clear_engine_environment(monkeypatch)
+    return request.param
+
+
+@pytest.fixture
+def made():
+    """The nodes a test made, closed at its end, the last made first."""
+    nodes = []
+    yield nodes
+    for node in reversed(nodes):
+        node.close()
+
+
+@pytest.fixture
+def nodes():
+    """A prefill and a decode node over the fake engine; closed by the test's teardown."""
+    made = []
+
+    def build(prefill_pool=None, decode_pool=None, *, fail_every=0, **decode_kw):
+        prefill = PrefillNode(prefill_pool or make_pool(), FakeBackend(fail_every=fail_every),
+                              peer_timeout_s=1.0, heartbeat_s=0.1)
+        made.append(prefill)
+        decode = DecodeNode(decode_pool or make_pool(size=64 * 24, sentinel=True), FakeBackend(),
+                            prefill.endpoint, peer_timeout_s=1.0, heartbeat_s=0.1, **decode_kw)
+        made.append(decode)
+        return prefill, decode
+
+    yield build
+    for node in reversed(made):
+        node.close()

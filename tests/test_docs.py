@@ -4,7 +4,7 @@ docs/*.md is found in the code, or is a foreign name in ``FOREIGN``.
 Read from the source tree as text, nothing imported. In each span (fenced blocks are commands and
 listings, left out) the test picks out:
 
-- file and folder paths (``transfer/plan.py``, ``tests/sglang/``, a bare ``test_fence.py``), with
+- file and folder paths (``transfer/plan.py``, ``tests/sglang/``, a bare ``test_decode_fence.py``), with
   an optional ``::test_name`` (a trailing ``*`` matches any ending): the file exists in the tree,
   the test is defined in it;
 - command-line flags (``--chunk-pages``): written in the code (``--no-x`` where ``--x`` is);

@@ -141,3 +141,33 @@ def test_each_node_class_stays_a_coordinator(name, path):
     tree = ast.parse((ROOT / path).read_text())
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
     assert node.end_lineno - node.lineno + 1 <= 250
+
+
+# tests/ mirrors the code: each folder of tests is named after the code it tests, or is one of the
+# tiers that run the nodes as OS processes.
+TEST_FOLDERS = {
+    "pool": "plugin",  # the pool, its layout, descriptors and sizing (plugin/'s own modules)
+    "transfer": "transfer",  # the transfer core's own modules, and both nodes together in-process
+    "prefill": "transfer/prefill",
+    "decode": "transfer/decode",
+    "backends": "transfer/backends",
+    "launcher": "transfer/launcher",
+    "bench": "transfer/bench",
+    "sglang": "plugin/sglang",
+    "vllm": "plugin/vllm",
+    "gpu": None,  # the CUDA path, each test's cpu variant in the main suite
+    "integration": None,  # prefill and decode as separate processes
+    "reliability": None,  # faults, floods, freezes and namespaces against processes
+}
+
+
+def test_the_test_folders_are_named_after_the_code():
+    folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(TEST_FOLDERS)
+    for folder, code in TEST_FOLDERS.items():
+        assert code is None or (ROOT / code).is_dir(), (folder, code)
+
+
+def test_no_two_test_files_share_a_name():
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []

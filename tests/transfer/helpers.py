@@ -1,4 +1,5 @@
-"""Small pools and bounded waits for the transfer tests."""
+"""What the node tests share: small pools, aux buffers as SGLang's metadata buffers, bounded
+waits."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 
 from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
 from dsa_bridge.transfer.launcher.drivers import reset_pages
+from dsa_bridge.transfer.request import TERMINAL
 
 SMALL_CONFIG = {"num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
                 "index_head_dim": 128}
@@ -36,3 +38,20 @@ def make_pool(config=None, *, size: int = 64 * 32, sentinel: bool = False, **lay
     if sentinel:
         reset_pages(pool, np.arange(pool.num_kv_pages))
     return pool
+
+
+def aux_tensors(slots: int, fill: int | None = None) -> list[np.ndarray]:
+    """Two aux buffers of ``slots`` slots (64 and 512 bytes a slot), as SGLang's metadata buffers."""
+    rng = np.random.default_rng(slots)
+    out = [np.zeros((slots, 64), np.uint8), np.zeros((slots, 512), np.uint8)]
+    for buf in out:
+        buf[:] = rng.integers(0, 256, buf.shape, dtype=np.uint8) if fill is None else fill
+    return out
+
+
+def infos(bufs):
+    return [(b.ctypes.data, b.nbytes, b[0].nbytes) for b in bufs]
+
+
+def ended(*handles):
+    wait_for(lambda: all(h.poll() in TERMINAL for h in handles), 20, "the request's end")

@@ -20,26 +20,7 @@ from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll
 
 from .fake_backend import FakeBackend
-from .helpers import SMALL_CONFIG, make_pool, wait_for
-
-
-@pytest.fixture
-def nodes():
-    """A prefill and a decode node over the fake engine; closed by the test's teardown."""
-    made = []
-
-    def build(prefill_pool=None, decode_pool=None, *, fail_every=0, **decode_kw):
-        prefill = PrefillNode(prefill_pool or make_pool(), FakeBackend(fail_every=fail_every),
-                              peer_timeout_s=1.0, heartbeat_s=0.1)
-        made.append(prefill)
-        decode = DecodeNode(decode_pool or make_pool(size=64 * 24, sentinel=True), FakeBackend(),
-                            prefill.endpoint, peer_timeout_s=1.0, heartbeat_s=0.1, **decode_kw)
-        made.append(decode)
-        return prefill, decode
-
-    yield build
-    for node in reversed(made):
-        node.close()
+from .helpers import SMALL_CONFIG, aux_tensors, infos, make_pool, wait_for
 
 
 def transfer(prefill, decode, room, src_pages, dst_pages, chunks=1):
@@ -346,19 +327,6 @@ def test_waiting_on_incoming_with_a_timeout_survives_signals():
                             timeout=60, stdin=subprocess.DEVNULL, cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("served")
-
-
-def aux_tensors(slots: int, fill: int | None = None) -> list[np.ndarray]:
-    """Two aux buffers of ``slots`` slots (64 and 512 bytes a slot), as SGLang's metadata buffers."""
-    rng = np.random.default_rng(slots)
-    out = [np.zeros((slots, 64), np.uint8), np.zeros((slots, 512), np.uint8)]
-    for buf in out:
-        buf[:] = rng.integers(0, 256, buf.shape, dtype=np.uint8) if fill is None else fill
-    return out
-
-
-def infos(bufs):
-    return [(b.ctypes.data, b.nbytes, b[0].nbytes) for b in bufs]
 
 
 @pytest.fixture

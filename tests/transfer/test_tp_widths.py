@@ -20,10 +20,9 @@ from dsa_bridge.transfer.backends import create_backend
 from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request, sentinel_intact
 from dsa_bridge.transfer.prefill import PrefillNode
-from dsa_bridge.transfer.request import TERMINAL, KVPoll
+from dsa_bridge.transfer.request import KVPoll
 
-from .helpers import make_pool, wait_for
-from .test_nodes import aux_tensors, infos
+from .helpers import aux_tensors, ended, infos, make_pool, wait_for
 
 PAGE = 64
 SRC = np.array([9, 3, 4, 5, 17])
@@ -42,10 +41,6 @@ def decode_node(engine, made, prefills, aux=None):
                       checksums=True, aux_buffers=infos(aux or []))
     made.append(node)
     return node
-
-
-def ended(*handles):
-    wait_for(lambda: all(h.poll() in TERMINAL for h in handles), 20, "the request's end")
 
 
 def test_a_wider_decode_gets_the_whole_request_on_every_rank(engine, made):

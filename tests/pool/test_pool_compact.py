@@ -4,7 +4,7 @@ A GLM-5.2 pool with ``indexer_layout="compact"`` holds 78 KV buffers and only th
 layers' indexer buffers. Every public method is walked for zero-length or NULL entries; asking for
 a shared layer's indexer names the layer and its producer; the token operations move exactly the
 bytes a uniform pool moves for the buffers both hold (the uniform pool is checked against a
-byte-level oracle in test_plugin_pool_ops).
+byte-level oracle in test_pool_ops).
 """
 
 from __future__ import annotations

@@ -21,8 +21,7 @@ from dsa_bridge.transfer.backends import BACKENDS
 from dsa_bridge.transfer.launcher import cli, demo, options
 from dsa_bridge.transfer.launcher.cli import main
 from dsa_bridge.transfer.launcher.summary import join_prefill, print_summary
-
-from ..conftest import require_engine
+from tests.conftest import require_engine
 
 GLOG_ERROR = re.compile(r"^E\d{4}", re.MULTILINE)
 ENGINE_LOG_ENV = ("MC_LOG_LEVEL", "NIXL_LOG_LEVEL", "UCX_LOG_LEVEL")

@@ -30,11 +30,9 @@ from dsa_bridge.transfer.plan import pair_buffers
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.prefill.stager import Stager
 from dsa_bridge.transfer.request import KVPoll
+from tests.conftest import clear_engine_environment, require_engine
 from tests.faulty import FaultyBackend
-
-from ..conftest import clear_engine_environment, require_engine
-from .helpers import SMALL_CONFIG, make_pool, wait_for
-from .test_nodes import aux_tensors, infos
+from tests.transfer.helpers import SMALL_CONFIG, aux_tensors, infos, make_pool, wait_for
 
 LAYOUT_PAGE_BYTES = 4 * (41984 + 8448)  # one page of every buffer of the 4-layer test pool
 SLICE = 2 * LAYOUT_PAGE_BYTES  # two pages a slice: a request of 20 pages needs 10 slices
@@ -257,8 +255,7 @@ def test_decode_refuses_a_slice_report_outside_its_share_or_the_request():
     """A SliceWritten naming a slice beyond the prefill's share, or pages beyond the request or
     more than a slice holds, is a protocol error: nothing is scattered."""
     from dsa_bridge.transfer import protocol
-
-    from .fake_backend import FakeBackend
+    from tests.transfer.fake_backend import FakeBackend
 
     with PrefillNode(make_pool(), FakeBackend(), heartbeat_s=0.1) as prefill, \
             DecodeNode(make_pool(size=64 * 24, sentinel=True), FakeBackend(), prefill.endpoint,

@@ -21,14 +21,12 @@ from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request,
 from dsa_bridge.transfer.prefill.outcomes import ChunkReporter
 from dsa_bridge.transfer.prefill.records import DecodeDestination, DecodePeer, Destinations, KVSender
 from dsa_bridge.transfer.request import KVPoll
-
-from .helpers import wait_for
-from .test_nodes import nodes  # noqa: F401  (the fixture)
+from tests.transfer.helpers import wait_for
 
 PAGE = 64
 
 
-def test_prefix_tokens_reach_a_sender_made_before_or_after_decodes_pages(nodes):  # noqa: F811
+def test_prefix_tokens_reach_a_sender_made_before_or_after_decodes_pages(nodes):
     prefill, decode = nodes()
     early = prefill.sender(1)  # made before decode's pages arrive
     first = decode.receiver(1)
@@ -43,7 +41,7 @@ def test_prefix_tokens_reach_a_sender_made_before_or_after_decodes_pages(nodes):
     assert late.decode_prefix_tokens == PAGE
 
 
-def test_only_the_pages_after_the_prefix_move(nodes):  # noqa: F811
+def test_only_the_pages_after_the_prefix_move(nodes):
     """A five-page request whose first two pages decode holds: prefill sends its last three into
     decode's three pages; decode's other pages (its cached prefix among them) are untouched."""
     prefill, decode = nodes()
@@ -67,7 +65,7 @@ def test_only_the_pages_after_the_prefix_move(nodes):  # noqa: F811
 
 
 @pytest.mark.parametrize("prefix", [-1, 1.5])
-def test_a_bad_prefix_is_refused_before_anything_is_sent(nodes, prefix):  # noqa: F811
+def test_a_bad_prefix_is_refused_before_anything_is_sent(nodes, prefix):
     prefill, decode = nodes()
     receiver = decode.receiver(1)
     with pytest.raises(ValueError, match="prefix_tokens must be a non-negative int"):
@@ -75,7 +73,7 @@ def test_a_bad_prefix_is_refused_before_anything_is_sent(nodes, prefix):  # noqa
     assert prefill.incoming.empty()
 
 
-def test_decode_giving_up_before_its_pages_fails_the_waiting_sender_at_once(nodes):  # noqa: F811
+def test_decode_giving_up_before_its_pages_fails_the_waiting_sender_at_once(nodes):
     prefill, decode = nodes()
     waiting = prefill.sender(1)  # sglang's bootstrap queue: waits for decode's pages
     receiver = decode.receiver(1)

@@ -13,9 +13,8 @@ from dsa_bridge.transfer.plan import BufferPair, PairTable, plan_chunk
 from dsa_bridge.transfer.prefill.records import DecodePeer
 from dsa_bridge.transfer.prefill.stager import Stager
 from dsa_bridge.transfer.protocol import StagingArea
-
-from .fake_backend import FakeBackend
-from .helpers import make_pool
+from tests.transfer.fake_backend import FakeBackend
+from tests.transfer.helpers import make_pool
 
 LOGGER = "dsa_bridge.transfer.prefill.stager"
 

@@ -17,10 +17,8 @@ import pytest
 
 from dsa_bridge.transfer.launcher.drivers import sentinel_intact
 from dsa_bridge.transfer.request import TERMINAL, KVPoll
-
-from .helpers import wait_for
-from .test_nodes import aux_tensors
-from .test_prefill_complete import decode_node, prefill_node
+from tests.prefill.test_prefill_complete import decode_node, prefill_node
+from tests.transfer.helpers import aux_tensors, wait_for
 
 PAGE = 64
 PROMPT = 5 * PAGE  # the whole page-aligned prompt, in decode's radix cache

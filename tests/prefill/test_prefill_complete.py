@@ -24,9 +24,7 @@ from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request, sentinel_intact
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import TERMINAL, KVPoll
-
-from .helpers import make_pool, wait_for
-from .test_nodes import aux_tensors, infos
+from tests.transfer.helpers import aux_tensors, infos, make_pool, wait_for
 
 PAGE = 64
 SRC = np.array([9, 3, 4, 5, 17])

@@ -18,9 +18,8 @@ from dsa_bridge.transfer.plan import BufferPair, PairTable, plan_chunk, plan_wri
 from dsa_bridge.transfer.prefill import writer as writer_module
 from dsa_bridge.transfer.prefill.records import Chunk, DecodeDestination, DecodePeer, KVSender
 from dsa_bridge.transfer.prefill.writer import Job, Result, Writer, join_plans, shares
-
-from .fake_backend import FakeBackend
-from .helpers import wait_for
+from tests.transfer.fake_backend import FakeBackend
+from tests.transfer.helpers import wait_for
 
 PAGES, ITEM, LAYERS = 16, 64, (3, 5, 7)
 

@@ -20,9 +20,8 @@ from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request, sentinel_intact
 from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll
-
-from .fake_backend import FakeBackend
-from .helpers import make_pool, wait_for
+from tests.transfer.fake_backend import FakeBackend
+from tests.transfer.helpers import make_pool, wait_for
 
 PAGES = np.array([3, 4, 5, 6])
 

@@ -7,12 +7,10 @@ from __future__ import annotations
 import threading
 
 from dsa_bridge.transfer.launcher.drivers import drive_decode, request_lengths, serve_prefill
-
-from .helpers import wait_for
-from .test_nodes import nodes  # noqa: F401  (the fixture)
+from tests.transfer.helpers import wait_for
 
 
-def test_a_stopped_decode_run_finishes_what_it_started_and_counts_only_that(nodes):  # noqa: F811
+def test_a_stopped_decode_run_finishes_what_it_started_and_counts_only_that(nodes):
     prefill, decode = nodes()
     serving, stop = threading.Event(), threading.Event()
     server = threading.Thread(target=serve_prefill, args=(prefill, serving), daemon=True)

@@ -43,6 +43,7 @@ from .options import (
 from .summary import print_summary, write_json_atomic
 
 DEFAULT_POOL_TOKENS = 65536
+DEFAULT_REQUESTS = 32
 log = logging.getLogger("dsa_bridge")
 
 
@@ -142,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "proof that it cannot (a new handshake, or its process gone); "
                              "released then and counted as an expiry (default 600)")
     add_run_options(decode)
+    decode.add_argument("--rooms", type=options.rooms_file,
+                        help="run these requests instead of drawing --requests: a JSON list of a "
+                             "prefill's answers, each with remote_room and remote_num_tokens (the "
+                             "kv_transfer_params of a vLLM prefill with dsa-bridge's connector)")
+    decode.set_defaults(requests=None)  # DEFAULT_REQUESTS unless --rooms names them
     decode.add_argument("--summary-file", type=output_file,
                         help="write the JSON summary here instead of printing, with each "
                              "request's init and Success times (time.monotonic())")
@@ -159,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=request_count, default=32)
+    parser.add_argument("--requests", type=request_count, default=DEFAULT_REQUESTS)
     parser.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight")
     parser.add_argument("--max-tokens", type=positive_int, default=16384,
                         help="longest request (capped at --pool-tokens)")
@@ -284,12 +290,16 @@ def cmd_decode(args) -> int:
                     checksums=args.checksums,
                     staging_bytes=staging_bytes(args.staging_mib)) as node, \
             metrics.serving(node, "decode", args.metrics_host, args.metrics_port):
-        lengths = request_lengths(args.requests, pool.page_size,
-                                  min(args.max_tokens, args.pool_tokens), args.seed)
+        if args.rooms is not None:  # a prefill's answers (a vLLM prefill's rooms): its requests
+            rooms, lengths = [room for room, _, _ in args.rooms], [n for _, n, _ in args.rooms]
+        else:
+            rooms = None
+            lengths = request_lengths(args.requests or DEFAULT_REQUESTS, pool.page_size,
+                                      min(args.max_tokens, args.pool_tokens), args.seed)
         # room ids are global on a prefill node (as SGLang's bootstrap rooms): random, so that
         # several decode nodes can share one prefill node
         report = drive_decode(node, lengths, concurrency=args.concurrency, seed=args.seed + 1,
-                              room_base=int.from_bytes(os.urandom(8), "big") >> 2,
+                              room_base=int.from_bytes(os.urandom(8), "big") >> 2, rooms=rooms,
                               stop=stop_on_signals())  # SIGTERM/SIGINT: finish those in flight
         summary = {
             "requests": report.requests, "requests_ok": report.requests_ok,

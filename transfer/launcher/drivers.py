@@ -218,10 +218,14 @@ def release_settled(node: DecodeNode, allocator: PageAllocator,
 
 
 def drive_decode(node: DecodeNode, lengths: list[int], *, concurrency: int = 4, seed: int = 2,
-                 room_base: int = 0, deadline_s: float = 600.0, progress: bool = True,
-                 stop: threading.Event | None = None) -> DecodeReport:
-    """Run every request through the node, verify every byte, and report. Once ``stop`` is set,
-    no further request starts: those in flight finish, and the report counts the ones issued."""
+                 room_base: int = 0, rooms: list[int] | None = None, deadline_s: float = 600.0,
+                 progress: bool = True, stop: threading.Event | None = None) -> DecodeReport:
+    """Run every request through the node, verify every byte, and report. Request i is room
+    ``rooms[i]`` (a prefill's answers) or, without ``rooms``, ``room_base + i``. Once ``stop``
+    is set, no further request starts: those in flight finish, and the report counts the ones
+    issued."""
+    if rooms is not None and len(rooms) != len(lengths):
+        raise ValueError(f"{len(rooms)} rooms for {len(lengths)} requests")
     pool = node.pool
     allocator = PageAllocator(pool.num_kv_pages, seed=seed)
     report = DecodeReport(requests=len(lengths))
@@ -240,7 +244,7 @@ def drive_decode(node: DecodeNode, lengths: list[int], *, concurrency: int = 4, 
             if pages is None:
                 break
             pending.popleft()
-            receiver = node.receiver(room_base + index)
+            receiver = node.receiver(room_base + index if rooms is None else rooms[index])
             receiver.init(pages, tokens)
             active[receiver.room] = (receiver, pages)
         for room, (receiver, pages) in list(active.items()):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import math
 import os
 import socket
@@ -190,6 +191,47 @@ def secret_file(text: str) -> str:
     return text
 
 
+ROOM_LIMIT = 2**63  # a room is a 63-bit number (vLLM's prefill draws them so)
+
+
+def _room_entry(index: int, entry) -> tuple[int, int, dict]:
+    """(room, prompt tokens, the entry) of one prefill answer, or ArgumentTypeError naming it."""
+    if not isinstance(entry, dict):
+        raise argparse.ArgumentTypeError(f"entry {index} must be an object, got {entry!r:.60}")
+    values = []
+    for key, low, high in (("remote_room", 0, ROOM_LIMIT - 1), ("remote_num_tokens", 1, None)):
+        value = entry.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low \
+                or (high is not None and value > high):
+            bound = f"{low}..{high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"entry {index}: {key} must be an integer {bound}, "
+                                             f"got {value!r:.60}")
+        values.append(value)
+    return values[0], values[1], entry
+
+
+def rooms_file(text: str) -> list[tuple[int, int, dict]]:
+    """``--rooms``: a JSON list of a prefill's answers, each with the ``remote_room`` and
+    ``remote_num_tokens`` of vLLM's ``kv_transfer_params`` (other keys checked against the
+    options later: ``check_rooms``); rooms unique. (room, tokens, entry) per answer."""
+    try:
+        entries = json.loads(Path(text).read_text())
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {exc.strerror}") from None
+    except (ValueError, UnicodeError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {exc}") from None
+    if not isinstance(entries, list) or not entries or len(entries) > MAX_REQUESTS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must hold a JSON list of 1..{MAX_REQUESTS} prefill answers")
+    rooms = [_room_entry(i, entry) for i, entry in enumerate(entries)]
+    seen: set[int] = set()
+    for index, (room, _, _) in enumerate(rooms):
+        if room in seen:
+            raise argparse.ArgumentTypeError(f"entry {index}: room {room} appears twice")
+        seen.add(room)
+    return rooms
+
+
 def choice_list(choices: tuple[str, ...]):
     """A comma-separated list of some of ``choices`` (at least one)."""
 
@@ -257,3 +299,34 @@ def check_options(args, make_layout) -> None:
             check_mooncake_ipv4(args, "--prefill", host_of(endpoint))
         if args.engine_host:
             check_mooncake_ipv4(args, "--engine-host", args.engine_host)
+        if args.rooms is not None:
+            check_rooms(args)
+
+
+def check_rooms(args) -> None:
+    """``--rooms`` against the other options: no ``--requests`` beside it, every prompt within
+    the pool, and an answer's engine, endpoint and TP width (where it names them) the ones this
+    decode node reads from: one prefill rank, at one of the ``--prefill`` endpoints."""
+    if args.requests is not None:
+        raise OptionError("--rooms: the requests are the file's; leave out --requests")
+    endpoints = args.prefill.split(",")
+    for index, (room, tokens, entry) in enumerate(args.rooms):
+        where = f"--rooms: entry {index} (room {room})"
+        if tokens > args.pool_tokens:
+            raise OptionError(f"{where}: {tokens} prompt tokens do not fit --pool-tokens "
+                              f"{args.pool_tokens}")
+        engine = entry.get("remote_engine", args.backend)
+        if engine != args.backend:
+            raise OptionError(f"{where}: the prefill used engine {engine!r}, this node "
+                              f"--backend {args.backend}")
+        if entry.get("tp_size", 1) != 1:
+            raise OptionError(f"{where}: the prefill has tp_size {entry['tp_size']!r}; this node "
+                              "reads a request from one prefill rank (tp_size 1)")
+        if "remote_host" in entry or "remote_port" in entry:
+            try:
+                named = peer_endpoint(f"{entry.get('remote_host')}:{entry.get('remote_port')}")
+            except argparse.ArgumentTypeError as exc:
+                raise OptionError(f"{where}: remote_host/remote_port: {exc}") from None
+            if named not in endpoints:
+                raise OptionError(f"{where}: the answer names prefill {named}, not one of "
+                                  f"--prefill {args.prefill}")

@@ -11,7 +11,9 @@ repository root; prints one JSON summary on stdout.
   aborts one while it loads (``--abort-after`` s after its first step), and counts its free
   blocks ``HELD_AFTER_S`` later;
   ``--fragment`` scatters its free blocks first; ``--launcher``: the answers name a ``dsa-bridge
-  prefill`` launcher node, whose pattern the pages are checked against; ``--tp R/S``: the
+  prefill`` launcher node, whose pattern the pages are checked against (on a prefill: the decode
+  is a ``dsa-bridge decode`` launcher node, so a finished request's held pages are refilled with
+  that pattern for its room before its worker sends them, the step after); ``--tp R/S``: the
   worker is TP rank R of S (each rank of a TP group has its own scheduler here: decode ranks are
   fed the same answers, prefill ranks draw the same rooms, ``--room-seed``).
 Engine writes go through ``tests/faulty.py`` when a ``DSA_BRIDGE_FAULT_*`` variable is set.
@@ -77,8 +79,11 @@ def run_prefill(args, engine: MiniEngine) -> dict:
     answers, deadline = {}, time.monotonic() + args.timeout
     while len(answers) < len(requests) and time.monotonic() < deadline:
         for output in engine.step(forward):
-            answers[output.request_id] = {"params": output.kv_transfer_params,
-                                          "length": dict(requests)[output.request_id]}
+            params, length = output.kv_transfer_params, dict(requests)[output.request_id]
+            answers[output.request_id] = {"params": params, "length": length}
+            if args.launcher:  # the room is known now; the worker sends in the next step
+                for name, position, page in page_bytes(engine, output.request_id, -(-length // 64)):
+                    page[:] = launcher_pattern(params["remote_room"], name, position, page.size)
     held = engine.free_blocks
     tmp = Path(args.answers + ".tmp")
     tmp.write_text(json.dumps(answers))
@@ -157,7 +162,7 @@ def main() -> int:
     parser.add_argument("--stop", default="")
     parser.add_argument("--fragment", action="store_true")
     parser.add_argument("--launcher", action="store_true",
-                        help="the prefill is a dsa-bridge prefill launcher node: check its pattern")
+                        help="the peer is a dsa-bridge launcher node: its pattern, by room")
     parser.add_argument("--abort", default="")
     parser.add_argument("--abort-after", type=float, default=0.0)
     parser.add_argument("--timeout", type=float, default=120.0)

@@ -237,3 +237,40 @@ def test_a_dsa_bridge_prefill_launcher_feeds_a_vllm_decode_byte_exact(pair, mode
     assert (got["free_after"], got["pending"]) == (got["free_before"], False)
     os.kill(launcher.pid, signal.SIGTERM)
     assert launcher.wait(timeout=30) == 0, (pair.tmp / "launcher.err").read_text()[-3000:]
+
+
+@pytest.mark.parametrize("engine,checksums", [("mooncake", False), ("nixl", True)])
+def test_a_vllm_prefill_feeds_a_dsa_bridge_decode_launcher_byte_exact(pair, model, engine, checksums):
+    """Interoperation the other way: the vLLM prefill's answers (its rooms and prompt lengths)
+    are a ``dsa-bridge decode --rooms`` node's requests; it checks every byte of every layer's
+    MLA and indexer page against the launcher's pattern (NIXL: with checksums) and the sentinel
+    of every page no request owns; the prefill's blocks go back to vLLM once written."""
+    require_engine(engine)
+    port = free_port()
+    prefill = pair.start("prefill", {"engine": engine, "checksums": checksums, "port": port},
+                         "--requests", json.dumps(REQUESTS), "--launcher")
+    deadline = time.monotonic() + START_S
+    while not pair.answers.exists():
+        assert time.monotonic() < deadline and prefill.poll() is None, pair.log(prefill)[-3000:]
+        time.sleep(0.1)
+    rooms = pair.tmp / "rooms.json"
+    rooms.write_text(json.dumps([a["params"] for a in json.loads(pair.answers.read_text()).values()]))
+    with open(pair.tmp / "launcher.err", "w") as err:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "dsa_bridge.transfer.launcher.cli", "decode", "--prefill",
+             f"127.0.0.1:{port}", "--backend", engine, "--checksums" if checksums else "--no-checksums",
+             "--model",
+             str(model / "config.json"), "--pool-tokens", "4096", "--rooms", str(rooms), "--json"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
+    pair.procs.append(launcher)
+    out, _ = launcher.communicate(timeout=START_S)
+    assert launcher.returncode == 0, (pair.tmp / "launcher.err").read_text()[-3000:]
+    got = json.loads(out.strip().splitlines()[-1])
+    pages = sum(-(-length // 64) for _, length in REQUESTS)  # 1 + 1 + 3 + 5
+    assert (got["requests_ok"], got["requests_failed"], got["bytes_mismatched"]) == (4, 0, 0)
+    assert got["bytes_verified"] == pages * 4 * (64 * 656 + 64 * 132)  # every layer, both caches
+    assert got["checksums_verified"] == checksums * pages * 4 * 2 and got["sentinel_intact"]
+    sent = pair.finish_prefill(prefill)
+    assert sent["answered"] == len(REQUESTS)
+    assert sent["free_held"] < sent["free_before"]
+    assert (sent["free_after"], sent["pending"]) == (sent["free_before"], False)

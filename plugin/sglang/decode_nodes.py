@@ -36,6 +36,7 @@ from .bringup import (
 from .mixed import marked_route_query
 from .paged_buffers import PagedBuffers
 from .phases import PhaseLimits
+from .release_bound import FENCE_BOUND_S
 from .tuning import HEARTBEAT_S, PEER_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -43,12 +44,12 @@ log = logging.getLogger(__name__)
 HTTP_TIMEOUT_S = 5.0
 ROUTE_RECHECK_S = 1.0  # how often an unreachable prefill's endpoints are looked up again
 # decode's fence (DecodeNode): a failed engine write's bytes may land for IN_FLIGHT_GRACE_S after
-# prefill reports it; pages on a silent prefill are held up to QUARANTINE_TIMEOUT_S
+# prefill reports it; pages on a silent prefill are held up to the rank's release bound
+# (``quarantine_timeout_s``: release_bound.py)
 IN_FLIGHT_GRACE_S = 35.0
 # the staged route is off inside sglang: it is slower for DSA pages on every engine measured
 # (docs/benchmarks.md) and its staging area would be device memory taken from the KV cache
 STAGING_BYTES = 0
-QUARANTINE_TIMEOUT_S = 600.0
 
 
 class DecodeNodes:
@@ -61,7 +62,8 @@ class DecodeNodes:
                  allocation_policy: str, attn_tp_size: int, attn_tp_rank: int, attn_dp_rank: int,
                  pp_size: int, pp_rank: int, memory_released: Callable[[], bool],
                  kv_page_zero: bool = False, kv_on_index_pages: Sequence[int] = (),
-                 peer_timeout_s: float = PEER_TIMEOUT_S, heartbeat_s: float = HEARTBEAT_S):
+                 peer_timeout_s: float = PEER_TIMEOUT_S, heartbeat_s: float = HEARTBEAT_S,
+                 quarantine_timeout_s: float = FENCE_BOUND_S):
         self.kv_args, self.pool, self.aux_buffers = kv_args, pool, aux_buffers
         self.backend, self.local_ip, self.engine_options = backend, local_ip, engine_options
         self.secret, self.checksums, self.phase_limits = secret, checksums, phase_limits
@@ -73,6 +75,7 @@ class DecodeNodes:
         self.kv_on_index_pages = kv_on_index_pages  # KV layers at the indexer's pages (its draft)
         self.memory_released = memory_released
         self.peer_timeout_s, self.heartbeat_s = peer_timeout_s, heartbeat_s  # (tuning.py)
+        self.quarantine_timeout_s = quarantine_timeout_s  # the fence's bound (release_bound.py)
         self.clock = time.monotonic  # the backoff's clock
         self._lock = threading.Lock()
         self.nodes: dict[tuple[str, int], DecodeNode] = {}
@@ -281,7 +284,7 @@ class DecodeNodes:
                               name=f"decode-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}",
                               request_timeout_s=self.phase_limits.node_timeout_s,
                               in_flight_grace_s=IN_FLIGHT_GRACE_S,
-                              quarantine_timeout_s=QUARANTINE_TIMEOUT_S,
+                              quarantine_timeout_s=self.quarantine_timeout_s,
                               peer_timeout_s=self.peer_timeout_s, heartbeat_s=self.heartbeat_s,
                               aux_buffers=self.aux_buffers, secret=self.secret,
                               checksums=self.checksums, staging_bytes=STAGING_BYTES,

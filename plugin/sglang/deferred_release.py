@@ -6,7 +6,8 @@
 (``clear_deferred_abort_state`` at sglang's deadline, or a receiver's ``clear``) is counted
 (``forced_releases``) and logged; a cleared request leaves its ``DecodeNode`` once its fence
 lifts (``forget_released``, run from sglang's next call). ``log_release_bounds`` says at start-up
-how sglang's bound meets the fence's.
+when sglang's deferral is off; with it on, sglang's deadline is the fence's bound
+(``release_bound.py``), so a forced release is one of a sglang that did not take it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVReceiver
 from sglang.srt.environ import envs
 
 from ...transfer.decode import DecodeNode, KVReceiver
-from .decode_nodes import IN_FLIGHT_GRACE_S, QUARANTINE_TIMEOUT_S, DecodeNodes
+from .decode_nodes import DecodeNodes
 
 log = logging.getLogger(__name__)
 
@@ -25,21 +26,14 @@ DEFERRED_RELEASE_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 
 
 def log_release_bounds(enabled: bool) -> None:
-    """Say once, at start-up, how sglang's release of a failed request's pages meets the fence."""
+    """Say once, at start-up, when sglang's deferral is off: its releases at once are unproven
+    (with it on, the one bound is stated where sglang's queue takes it: ``hooks.py``)."""
     if not enabled:
         log.warning("dsa-bridge: %s is off: sglang frees a failed request's decode pages at once, "
                     "while a prefill write into them may still land (into the next request's "
                     "KV); dsa-bridge can only count and log each such release (forced_releases). "
                     "Unset it to keep the pages until dsa-bridge's fence lets them go",
                     DEFERRED_RELEASE_ENV)
-        return
-    timeout = float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get())
-    if timeout < QUARANTINE_TIMEOUT_S:
-        log.info("dsa-bridge: sglang releases a held decode destination after %s_TIMEOUT=%.0fs "
-                 "even unproven; dsa-bridge's fence may hold one up to %.0fs (a failed write: %.0fs "
-                 "after prefill's report; a silent prefill: until it is proven gone). A release "
-                 "before the fence lifts is counted (forced_releases) and logged",
-                 DEFERRED_RELEASE_ENV, timeout, QUARANTINE_TIMEOUT_S, IN_FLIGHT_GRACE_S)
 
 
 class DeferredRelease:
@@ -102,7 +96,7 @@ class DeferredRelease:
     def forget_released(self) -> None:
         """Remove from their nodes the cleared requests whose fence has lifted. Called from
         sglang's own calls on the scheduler thread (polls, clears, release checks), so no thread
-        of its own; the list is bounded by the fence's own bound (``QUARANTINE_TIMEOUT_S``)."""
+        of its own; the list is bounded by the fence's own bound (``release_bound.py``)."""
         held = []
         for node, request in self._unreleased:
             if request.can_release():

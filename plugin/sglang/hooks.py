@@ -25,6 +25,11 @@ hooks:
   engine, dsa-bridge's manager's; where dsa-bridge hands a pool to sglang's own Mooncake manager,
   that engine is started then (``manager.sglang_mooncake_engine``). Its other users (HiCache's Mooncake
   store, encoder transfer, elastic EP) start it as sglang does.
+
+And one AFTER hook on sglang's ``DecodePreallocQueue.__init__`` (where the decode's manager is
+made, its transfer queue given): where that manager is dsa-bridge's, the transfer queue's
+deferred-release deadline becomes the manager's one release bound (``release_bound.py``),
+stated once; sglang reads its own variable earlier, in its transfer queue's ``__init__``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ POOL_CLASS_RESOLVER = (
 KV_CLASS_RESOLVER = "sglang.srt.disaggregation.utils.get_kv_class"
 SHARED_ENGINE_START = ("sglang.srt.distributed.device_communicators.mooncake_transfer_engine."
                        "maybe_init_shared_mooncake_transfer_engine")
+PREALLOC_QUEUE_INIT = "sglang.srt.disaggregation.decode.DecodePreallocQueue.__init__"
 BRIDGED_BACKENDS = ("mooncake", "nixl")
 
 
@@ -105,6 +111,19 @@ def one_engine(original, *args, **kwargs):
     return original(*args, **kwargs)
 
 
+def one_release_bound(result, queue, *args, **kwargs) -> None:
+    """AFTER ``DecodePreallocQueue.__init__``: sglang's transfer queue holds a failed request's
+    pages for the manager's one bound (module docstring), where the manager is dsa-bridge's and
+    sglang's deferral is on; else nothing changes."""
+    from .manager import DSABridgeKVManager
+
+    manager, transfer_queue = queue.kv_manager, queue.transfer_queue
+    if not isinstance(manager, DSABridgeKVManager) or not transfer_queue.enable_deferred_kv_release:
+        return
+    transfer_queue.deferred_kv_release_timeout = manager.release_bound.bound_s
+    log.info("dsa-bridge: %s", manager.release_bound.line())
+
+
 def register() -> None:
     """sglang's entry point: register the hooks, or nothing unless SGLANG_PLUGINS names us."""
     if not named_in_sglang_plugins():
@@ -115,3 +134,4 @@ def register() -> None:
     HookRegistry.register(POOL_CLASS_RESOLVER, dsa_pool_class, HookType.AROUND)
     HookRegistry.register(KV_CLASS_RESOLVER, dsa_bridge_kv_class, HookType.AROUND)
     HookRegistry.register(SHARED_ENGINE_START, one_engine, HookType.AROUND)
+    HookRegistry.register(PREALLOC_QUEUE_INIT, one_release_bound, HookType.AFTER)

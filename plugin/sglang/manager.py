@@ -66,10 +66,11 @@ same pool.
 sglang's deferred decode release (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``, on by
 default) is answered by dsa-bridge's fence: the manager supports it, ``register_deferred_abort_room``
 arms a room, ``is_abort_release_safe(room, required_acks)`` is the fence's ``can_release`` for that
-room's request, so sglang holds a failed request's pages exactly as long as the fence does. sglang
-releases a held page at its own deadline (``..._TIMEOUT``) even unproven, and at once with
-deferral off: a release the fence had not allowed (``clear_deferred_abort_state`` or ``clear``
-while ``can_release`` is False) is counted (``forced_releases``) and logged. A cleared request
+room's request, so sglang holds a failed request's pages exactly as long as the fence does, up to
+one bound for both (``release_bound``: sglang's ``..._TIMEOUT`` raised to the fence's bound, set
+on sglang's transfer queue by ``hooks.one_release_bound``). With deferral off sglang releases at
+once: a release the fence had not allowed (``clear_deferred_abort_state`` or ``clear`` while
+``can_release`` is False) is counted (``forced_releases``) and logged. A cleared request
 leaves its ``DecodeNode`` once its fence lifts (``forget_released``, run from sglang's next call
 into the manager). ``--disaggregation-enable-kv-checksum`` turns dsa-bridge's checksums on in both
 nodes.
@@ -119,6 +120,7 @@ from .phases import PhaseLimits
 from .pool import stage_start_layer
 from .rank_config import read_rank_config
 from .rank_metrics import RankMetrics, RankReading, exported
+from .release_bound import release_bound
 from .stage_consensus import StageConsensus
 from .tuning import TUNING_ENVS, heartbeat_line, ignored_lines, read_tuning
 
@@ -222,6 +224,9 @@ class DSABridgeKVManager(BaseKVManager):
         self.phase_limits = PhaseLimits(  # sglang's per-phase bounds (phases.py)
             float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()),
             float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()))
+        # one bound for sglang's deferred release and the fence (release_bound.py; hooks.py)
+        self.release_bound = release_bound(
+            envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get())
         self.enable_deferred_decode_kv_release = bool(
             envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get()
             and self.supports_deferred_decode_kv_release)
@@ -245,7 +250,8 @@ class DSABridgeKVManager(BaseKVManager):
             kv_page_zero=self.hisparse,
             kv_on_index_pages=self.kv_on_index_pages,
             pp_rank=self.pp_rank, memory_released=lambda: self.memory_released,
-            peer_timeout_s=self.tuning.peer_timeout_s, heartbeat_s=self.tuning.heartbeat_s)
+            peer_timeout_s=self.tuning.peer_timeout_s, heartbeat_s=self.tuning.heartbeat_s,
+            quarantine_timeout_s=self.release_bound.bound_s)
         self.deferred_release = DeferredRelease(self.decode_nodes)  # decode: sglang's held pages
         self.early_sends = EarlySendDispatcher(  # chunks held until sglang's forward wrote them
             f"dp{self.attn_dp_rank}-tp{self.attn_tp_rank}-pp{self.pp_rank}")

@@ -19,6 +19,7 @@ import pytest
 from dsa_bridge.transfer.counters import Counters
 from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request, sentinel_intact
 from dsa_bridge.transfer.prefill.outcomes import ChunkReporter
+from dsa_bridge.transfer.prefill.prefill_request import PrefillRequest
 from dsa_bridge.transfer.prefill.records import DecodeDestination, DecodePeer, Destinations, KVSender
 from dsa_bridge.transfer.request import KVPoll
 from tests.transfer.helpers import wait_for
@@ -83,7 +84,8 @@ def test_decode_giving_up_before_its_pages_fails_the_waiting_sender_at_once(node
     assert "decode refused: no room in its pool" in str(waiting.failure_exception())
     later = decode.receiver(2)
     later.abort("client went away")
-    wait_for(lambda: 2 in prefill._requests.lost_before_sender, 5, "prefill told of room 2")
+    wait_for(lambda: 2 in prefill._requests.requests and prefill._requests.requests[2].lost,
+             5, "prefill told of room 2")
     made_after = prefill.sender(2)  # the application comes later: fails at once
     assert made_after.poll() == KVPoll.Failed
     assert "client went away" in str(made_after.failure_exception())
@@ -98,12 +100,14 @@ def test_aborting_a_sender_that_succeeded_tells_decode_nothing():
     sent = []
     destination = DecodeDestination(DecodePeer(b"decode", "decode", "engine", None, 0.0),
                                     np.array([7, 8]), 2 * PAGE, 0.0)
-    reporter = ChunkReporter("prefill", threading.Lock(), Counters(), {1: Destinations(1, [destination])},
+    reporter = ChunkReporter("prefill", threading.Lock(), Counters(),
                              lambda message, identity: sent.append(message))
     succeeded = KVSender(None, 1, 60.0)
     succeeded.state.advance(KVPoll.Success, 0.0)
-    reporter.fail_locked(succeeded, "aborted by sglang after the fact")
+    reporter.fail_locked(PrefillRequest(1, succeeded, Destinations(1, [destination])),
+                         "aborted by sglang after the fact")
     assert succeeded.poll() == KVPoll.Success and sent == []
     failing = KVSender(None, 1, 60.0)
-    reporter.fail_locked(failing, "aborted by sglang")
+    reporter.fail_locked(PrefillRequest(1, failing, Destinations(1, [destination])),
+                         "aborted by sglang")
     assert [(m.room, m.ok, m.reason) for m in sent] == [(1, False, "aborted by sglang")]

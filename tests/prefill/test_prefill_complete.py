@@ -66,9 +66,26 @@ def readiness(monkeypatch):
     return watch
 
 
+def reservations(prefill, room) -> list:
+    """The reservations of ``room`` prefill keeps (its ``PrefillRequest``'s)."""
+    request = prefill._requests.requests.get(room)
+    return [] if request is None else request.reservations
+
+
+def reserved_rooms(prefill) -> set[int]:
+    """The rooms some decode node's reservation of which prefill keeps."""
+    return {room for room, request in prefill._requests.requests.items() if request.reservations}
+
+
+def lost(prefill, room) -> bool:
+    """Prefill keeps why decode gave ``room`` up before its sender was made."""
+    request = prefill._requests.requests.get(room)
+    return request is not None and request.lost is not None
+
+
 def reserved(prefill, room, peers=1):
     """Wait until prefill has recorded ``peers`` reservations of ``room``."""
-    wait_for(lambda: len(prefill._requests.reservations.get(room, [])) == peers, 10,
+    wait_for(lambda: len(reservations(prefill, room)) == peers, 10,
              f"room {room} reserved")
 
 
@@ -139,7 +156,7 @@ def test_readiness_is_sent_once_per_decode_node(engine, made, readiness):
     sender.prefill_complete()
     transfer(prefill, decode, sender, receiver, 2)
     assert told == [2]
-    assert len(prefill._requests.reservations.get(2, [])) <= 1
+    assert len(reservations(prefill, 2)) <= 1
     assert prefill.counters.snapshot().get("bad_messages", 0) == 0
 
 
@@ -213,12 +230,12 @@ def test_a_decode_abort_before_readiness_fails_the_sender(engine, made, readines
     sender = prefill.sender(6, deferred=True) if sender_exists else None
     receiver.abort("decode out of memory")
     if sender is None:  # made after prefill heard of the abort: fails at once
-        wait_for(lambda: 6 in prefill._requests.lost_before_sender, 10, "the abort at prefill")
+        wait_for(lambda: lost(prefill, 6), 10, "the abort at prefill")
         sender = prefill.sender(6, deferred=True)
         assert sender.poll() == KVPoll.Failed
     wait_for(lambda: sender.poll() == KVPoll.Failed, 5, "prefill's sender failed")
     assert "decode out of memory" in str(sender.failure_exception())
-    assert 6 not in prefill._requests.reservations  # the reservation was dropped
+    assert 6 not in reserved_rooms(prefill)  # the reservation was dropped
     sender.prefill_complete()
     time.sleep(0.2)
     assert told == []
@@ -284,7 +301,7 @@ def test_an_unclaimed_reservation_is_refused_at_prefills_timeout(engine, made):
     reserved(prefill, 11)
     wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "the refusal")
     assert "no prefill request for this room" in str(receiver.failure_exception())
-    assert 11 not in prefill._requests.reservations
+    assert 11 not in reserved_rooms(prefill)
     assert receiver.can_release()
 
 
@@ -298,7 +315,7 @@ def test_malformed_rooms_are_dropped_and_counted(engine, made, readiness):
     identity = next(iter(prefill._sessions.peers))
     prefill._send(protocol.PrefillReady(-1), identity)
     wait_for(lambda: decode.counters.snapshot().get("bad_messages", 0) == 1, 10, "the drop")
-    assert prefill._requests.reservations == {}
+    assert reserved_rooms(prefill) == set()
     receiver = decode.receiver(12, reserve=True)  # both nodes keep serving
     sender = prefill.sender(12, deferred=True)
     sender.prefill_complete()
@@ -319,7 +336,7 @@ def test_a_dropped_decode_node_fails_what_it_reserved(engine, made):
     decode.close()  # silent: prefill drops it after its peer timeout (2 s)
     wait_for(lambda: sender.poll() == KVPoll.Failed, 10, "the sender failed")
     assert "unreachable" in str(sender.failure_exception())
-    assert prefill._requests.reservations == {}
+    assert reserved_rooms(prefill) == set()
     later = prefill.sender(14, deferred=True)
     assert later.poll() == KVPoll.Failed and "unreachable" in str(later.failure_exception())
 

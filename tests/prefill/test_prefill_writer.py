@@ -16,6 +16,7 @@ import pytest
 from dsa_bridge.plugin.descriptors import BufferDescriptor, raw_region
 from dsa_bridge.transfer.plan import BufferPair, PairTable, plan_chunk, plan_writes
 from dsa_bridge.transfer.prefill import writer as writer_module
+from dsa_bridge.transfer.prefill.prefill_request import PrefillRequest
 from dsa_bridge.transfer.prefill.records import Chunk, DecodeDestination, DecodePeer, KVSender
 from dsa_bridge.transfer.prefill.writer import Job, Result, Writer, join_plans, shares
 from tests.transfer.fake_backend import FakeBackend
@@ -112,7 +113,7 @@ def rig():
 def job(sender, peer: Side, pairs, pages, dst, *, last=True) -> Job:
     decode = DecodePeer(b"decode", "decode", peer.engine.id, PairTable(pairs), 0.0)
     destination = DecodeDestination(decode, np.asarray(dst), 0, 0.0)
-    return Job(sender, destination, Chunk(0, np.asarray(pages), last))
+    return Job(PrefillRequest(sender.room, sender), destination, Chunk(0, np.asarray(pages), last))
 
 
 def test_jobs_queued_for_one_peer_go_out_in_one_engine_write(rig):

@@ -150,7 +150,8 @@ def test_a_room_announced_twice_fails_before_its_pages_can_be_reused(nodes, ledg
     sender = prefill.sender(3)
     receiver = decode.receiver(3)
     receiver.init([1, 2])
-    wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput and prefill._destinations, 10,
+    wait_for(lambda: receiver.poll() == KVPoll.WaitingForInput
+             and prefill._requests.requests[3].destinations is not None, 10,
              "the room at prefill")
     decode._loop.send(decode.peers[0].socket, protocol.RequestPages(3, [5, 6], 128))
     wait_for(lambda: settled(receiver), 10, "the duplicate's verdict")

@@ -97,7 +97,7 @@ def test_a_mismatch_in_an_early_chunk_holds_the_pages_until_prefill_confirms(nod
     fill_request(prefill.pool, 3, src)
     receiver = decode.receiver(3)
     receiver.init(dst, num_tokens=dst.size * 64)
-    wait_for(lambda: 3 in prefill._destinations, what="decode's pages at prefill")
+    wait_for(lambda: 3 in prefill._requests.requests, what="decode's pages at prefill")
     sender = prefill.sender(3)
     sender.init(src.size)
     first, second, third = np.array_split(src, 3)

@@ -8,14 +8,16 @@
   ones that node announced; its ``Sessions`` keep each decode node's epochs and hold a new epoch's
   answer until none of the earlier epochs' writes can still run;
 - decode's requests (``RequestPages``, ``Abort``, ``Reserve``) and the application's
-  ``KVSender`` calls go to the request book (``requests``): a ``KVSender`` per request (room)
-  takes the prefill's page ids, in one or more chunks; once decode has sent its page ids for the
+  ``KVSender`` calls go to the request book (``requests``: one ``PrefillRequest`` per room, which
+  owns its sender, destinations and reservations): a ``KVSender`` per request takes the
+  prefill's page ids, in one or more chunks; once decode has sent its page ids for the
   room, each chunk goes to the writer (``writer``: one lane per decode engine peer), which plans it
   (``plan.py``: every paired buffer, coalesced and bounds-checked), takes its page checksums when
   ``checksums`` is on (``checksums``) and writes it through the engine together with the
   other chunks queued for that peer;
-- the writer's lane hands each chunk's outcome to the reporter (``outcomes``), which
-  reports it to decode at once through the control loop and counts it;
+- the writer's lane hands each chunk's outcome, with its request, forward to the reporter
+  (``outcomes``), which updates that request, reports it to decode at once through the control
+  loop and counts it;
 - the stager (``stager``) holds this node's registered staging area and decode's staging slices:
   a chunk of many small descriptors goes through both (``route``: ``auto``, or forced
   ``direct`` / ``staged``), and decode's ``SliceFree`` returns its slices.
@@ -46,11 +48,10 @@ from ..counters import Counters
 from ..handshake import HandshakeError, pool_buffers
 from ..node_runtime import NodeRuntime
 from ..plan import as_aux_buffers
-from ..request import TERMINAL
 from ..staging import check_route
 from .checksums import ChunkChecksums
 from .outcomes import ChunkReporter
-from .records import DecodePeer, Destinations, IncomingRequest, KVSender, Reservation
+from .records import DecodePeer, IncomingRequest, KVSender
 from .requests import RequestBook
 from .sessions import HelloResponder, Sessions
 from .stager import Stager
@@ -63,7 +64,7 @@ class PrefillNode:
     """Serves decode nodes from one pool through one engine backend.
 
     One plain lock guards the node's tables: the sessions' peers and held answers, the request
-    book's destinations, senders and lost destinations. Each entry point takes it once (the
+    book's requests. Each entry point takes it once (the
     application's calls, each message and tick, each outcome a writer lane hands the reporter),
     and methods named ``_..._locked`` expect it held. The writer's blocking ``close`` is never
     called with it held: its lanes take it to report."""
@@ -94,8 +95,6 @@ class PrefillNode:
 
         self._lock = threading.Lock()
         self._sessions = Sessions()
-        self._destinations: dict[int, Destinations] = {}  # room -> where decode wants it
-        self._reservations: dict[int, list[Reservation]] = {}  # room -> decode nodes waiting
         self._responder = HelloResponder(name, self.layout, backend.name, self.buffers,
                                          self.aux_buffers, secret)
         self._page_sums = ChunkChecksums(pool, self.counters, enabled=checksums)
@@ -120,16 +119,14 @@ class PrefillNode:
             except zmq.ZMQError as exc:
                 raise OSError(f"cannot listen on {listen}: {exc}") from exc
             self.endpoint = f"{host}:{port}"
-            self._reporter = ChunkReporter(name, self._lock, self.counters, self._destinations,
-                                           self._send, self._reservations)
+            self._reporter = ChunkReporter(name, self._lock, self.counters, self._send)
             self._writer = Writer(backend, name=name, timeout_s=write_timeout_s,
                                   checksums=self._page_sums, outcomes=self._reporter,
                                   routes=self._stager)
             self._requests = RequestBook(
-                name, self._lock, destinations=self._destinations,
-                reservations=self._reservations, reporter=self._reporter,
-                writer=self._writer, counters=self.counters, incoming=self.incoming,
-                aux_buffers=self.aux_buffers, request_timeout_s=request_timeout_s)
+                name, self._lock, reporter=self._reporter, writer=self._writer,
+                counters=self.counters, incoming=self.incoming, aux_buffers=self.aux_buffers,
+                request_timeout_s=request_timeout_s)
             self._runtime.start([self._socket])
         except BaseException:
             self._runtime.close()
@@ -147,10 +144,7 @@ class PrefillNode:
     def abort_all(self, reason: str) -> int:
         """Fail every request not finished yet, with ``reason`` (as its own ``abort``); how many."""
         with self._lock:
-            live = [s for s in self._requests.senders.values() if s.state.status not in TERMINAL]
-            for sender in live:
-                self._reporter.fail_locked(sender, reason)
-        return len(live)
+            return self._requests.abort_all_locked(reason)
 
     def peers(self) -> list[str]:
         with self._lock:

@@ -9,9 +9,10 @@
 - ``IncomingRequest``: a request decode announced that has no sender yet, as the application
   is offered it on ``PrefillNode.incoming``;
 - ``Chunk``: a part of a request's prefill page ids, queued until decode's pages are known;
-- ``KVSender``: one request on the prefill side (SGLang's BaseKVSender semantics). Its calls go
-  to the node's request book (``SenderBook``: ``requests.RequestBook``), which holds the
-  node's lock while it changes the sender.
+- ``KVSender``: one request on the prefill side (SGLang's BaseKVSender semantics), as the
+  application holds it. Its calls go to the node's request book (``SenderBook``:
+  ``requests.RequestBook``), which holds the node's lock while it changes the sender; the
+  request's ``prefill_request.PrefillRequest`` owns it there.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 one engine write.
 
 The node's request book (``requests.RequestBook``) hands the writer a ``Job`` per chunk a
-request is ready to send: the request (its ``KVSender``), where decode wants it
-(``DecodeDestination``: the decode node's engine peer and buffer pairs, decode's page ids and aux
-slot) and the chunk (its offset among the request's pages, the prefill page ids, whether it is the
-last). Jobs queue per engine peer: each peer has its own lane and thread, so a frozen, silent or
-slow decode node delays only the chunks queued for it, never another node's.
+request is ready to send: the request (its ``PrefillRequest``, with its ``KVSender``), where
+decode wants it (``DecodeDestination``: the decode node's engine peer and buffer pairs, decode's
+page ids and aux slot) and the chunk (its offset among the request's pages, the prefill page ids,
+whether it is the last). Jobs queue per engine peer: each peer has its own lane and thread, so a
+frozen, silent or slow decode node delays only the chunks queued for it, never another node's.
 
 ``submit`` plans a job in the caller's thread (``plan.plan_chunk``), so that planning the next
 chunks overlaps the engine write in flight instead of holding up the next one. A lane takes every
@@ -15,8 +15,9 @@ be planned (each fails alone, before any write), takes their page checksums from
 (None when they are off), concatenates the plans and submits them as one engine write; the
 backend splits it only where the engine's batch limits require. When that write fails, every
 request in the batch fails as in flight: any of its bytes may still land. Each job's outcome (a
-``Result``) goes to ``outcomes.finish``, in the lane's thread, in queue order, exactly once; until
-then the request counts the job in ``KVSender.busy``. The writer calls nothing else of the node:
+``Result``, which carries the job and so its request) goes forward to ``outcomes.finish``, in the
+lane's thread, in queue order, exactly once; until then the request counts the job in
+``KVSender.busy``. The writer calls nothing else of the node:
 ``checksums`` is a ``checksums.ChunkChecksums`` and ``outcomes`` a
 ``outcomes.ChunkReporter``.
 
@@ -48,6 +49,7 @@ from ..backends.base import BackendError, TransferBackend
 from ..plan import PairTable, PlanError, WritePlan, join_plans, plan_chunk
 from ..request import KVPoll
 from ..staging import DIRECT, STAGED
+from .prefill_request import PrefillRequest
 from .records import Chunk, DecodeDestination, KVSender
 
 log = logging.getLogger(__name__)
@@ -59,9 +61,14 @@ IDLE_S = 10.0
 class Job:
     """One chunk of one request, and where decode wants it."""
 
-    sender: KVSender  # the writer reads its state, room and aux slot
+    request: PrefillRequest  # handed on to the reporter with the job's outcome
     destination: DecodeDestination
     chunk: Chunk
+
+    @property
+    def sender(self) -> KVSender:
+        """The request's sender: the writer reads its state, room and aux slot."""
+        return self.request.sender
 
     @property
     def engine_peer(self) -> str:

@@ -62,6 +62,12 @@ class DSABridgeConnector(KVConnectorBase_V1):
                                     consumer=config.is_kv_consumer, geometry=geometry,
                                     tp_rank=_tp_rank(), tp_size=tp_size)
 
+    @property
+    def bridge(self) -> BridgeWorker | None:
+        """The worker side's dsa-bridge nodes (None on the scheduler side): what a bench or a
+        test reads the nodes' counters and buffers from."""
+        return self._worker
+
     # ---- scheduler side --------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:

@@ -44,6 +44,7 @@ from ..backends import BACKENDS
 from ..launcher.options import choice_list, output_dir
 from . import gpu as gpu_section
 from . import routes as route_section
+from . import vllm as vllm_section
 from .routes import AUTO_VS_FASTER, print_routes, route_summary
 from .sglang_pd import print_section, run_section
 from .sizes import SIZES
@@ -61,7 +62,7 @@ TARGET_CONCURRENCY = (16, 64)  # requests in flight the concurrent_ratio_vs_raw 
 ENGINE_PACKAGES = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine-cuda13",
                    "mooncake-transfer-engine", "nixl-cu12", "nixl-cu13")  # CPU and CUDA hosts' wheels
 QUIET_ENV = {"MC_LOG_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "ERROR", "UCX_LOG_LEVEL": "error"}
-SECTIONS = ("core", "routes", "gpu", "sglang")  # core: the figures of every section but these
+SECTIONS = ("core", "routes", "gpu", "sglang", "vllm")  # core: the figures of every section but these
 DEFAULT_SECTIONS = ("core", "gpu", "sglang")  # routes: core's route sweeps alone
 
 
@@ -377,7 +378,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                             "routes (core's route sweeps alone: auto against both routes), "
                             "gpu (the pool, checksums and transfers on a CUDA device; skipped "
                             "without one) and sglang (sglang's own Mooncake connector against "
-                            "dsa-bridge's, where sglang is installed) (default: core,gpu,sglang)")
+                            "dsa-bridge's, where sglang is installed), vllm (dsa-bridge's vLLM connector, "
+                            "where vllm is installed) (default: core,gpu,sglang)")
     bench.add_argument("--json", action="store_true", help="print the report as one JSON object")
     bench.add_argument("--plots", metavar="DIR", type=output_dir,
                        help="write bench_gbps_vs_length.png and bench_plan_cost.png there "
@@ -400,6 +402,8 @@ def run_bench(args: argparse.Namespace) -> int:
             report["gpu"] = gpu_section.run_section(args.size, args.backends, bench_progress)
         if "sglang" in args.sections:
             report["sglang"] = run_section(args.size, bench_progress)
+        if "vllm" in args.sections:
+            report["vllm"] = vllm_section.run_section(args.size, bench_progress)
     if args.json:
         print(json.dumps(report), flush=True)
         return 0
@@ -411,4 +415,6 @@ def run_bench(args: argparse.Namespace) -> int:
         gpu_section.print_section(report["gpu"])
     if "sglang" in report:
         print_section(report["sglang"])
+    if "vllm" in report:
+        vllm_section.print_section(report["vllm"])
     return 0

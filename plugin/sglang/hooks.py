@@ -23,7 +23,7 @@ hooks:
   (``maybe_init_shared_mooncake_transfer_engine``, distributed/bootstrap.py): not started where PD
   transfer over Mooncake is its only user (``mooncake_only_for_pd``), so a process runs one
   engine, dsa-bridge's manager's; where dsa-bridge hands a pool to sglang's own Mooncake manager,
-  that engine is started then (``manager.sglang_mooncake_engine``). Its other users (HiCache's Mooncake
+  that engine is started then (``rank_engine.sglang_mooncake_engine``). Its other users (HiCache's Mooncake
   store, encoder transfer, elastic EP) start it as sglang does.
 
 And one AFTER hook on sglang's ``DecodePreallocQueue.__init__`` (where the decode's manager is

@@ -4,8 +4,7 @@
 the rank's ``KVArgs`` (``kvargs.bridge_buffers``: KV, DSA state and aux buffers with
 derived layer ids) it starts a ``PrefillNode`` on the rank's IP (sglang's
 ``get_local_ip_auto``: ``SGLANG_HOST_IP`` or detected) and registers that node's control
-endpoint in sglang's bootstrap server (``PUT /route``, sglang's payload, ``kv_layout`` marking
-it dsa-bridge's) at the host sglang registers to (``bootstrap_host``); with pipeline stages it
+endpoint in sglang's bootstrap server (``bootstrap_route``); with pipeline stages it
 keeps every stage's request status in sglang's ``PPConsensusStore`` for ``poll_pp_consensus``.
 On decode it fetches the prefill's parallel info (``GET /route`` with -1s) and its ranks
 (``GET /route`` per rank), and starts one ``DecodeNode`` per prefill (DP group): handshake,
@@ -34,19 +33,17 @@ KVArgs that are not a DSA pool (``kvargs.dsa_problem``) get sglang's own manager
 configured backend instead (logged): sglang's ``get_kv_class`` does not know the model, its
 KVArgs do.
 
-The manager keeps the rank's bring-up, the prefill's registration, the memory saver and the HTTP
-calls; its parts own the rest, each its own state: ``StageConsensus`` (``stage_consensus.py``: the
-prefill pipeline stages' consensus), ``DecodeNodes`` (``decode_nodes.py``: decode's parallel info
-of each prefill, the rank's engine and one node per prefill DP group) and ``DeferredRelease``
-(``deferred_release.py``: sglang's deferred release answered by the fence). sglang's names for
-what a part answers (``try_ensure_parallel_info``, ``prefill_info_table``,
-``register_deferred_abort_room``, ``is_abort_release_safe``, ``clear_deferred_abort_state``) stay
-on the manager and hand over to the part.
-
-sglang's decode queue makes its HTTP calls on the manager's threads
-(``_ensure_prefill_recompute_executor``: its prefill DP-rank queries); a retracted request's
-rebootstrap asks the prefill to compute it again (``submit_prefill_recompute``: ``POST /generate``
-at the HTTP port the prefill registered, once per request), a failure failing the request.
+The manager keeps the rank's bring-up and the memory saver; its parts own the rest, each its
+own state: ``StageConsensus`` (``stage_consensus.py``: the prefill pipeline stages' consensus),
+``BootstrapRoute`` (``bootstrap_route.py``: the prefill rank's row in sglang's bootstrap server),
+``DecodeNodes`` (``decode_nodes.py``: decode's parallel info of each prefill, the rank's engine
+and one node per prefill DP group), ``DeferredRelease`` (``deferred_release.py``: sglang's
+deferred release answered by the fence) and ``DecodeHttp`` (``decode_http.py``: sglang's HTTP
+calls off its thread, the rebootstrap of a retracted request); ``rank_engine.py`` reads what the
+rank's engine is made with. sglang's names for what a part answers (``try_ensure_parallel_info``,
+``prefill_info_table``, ``register_deferred_abort_room``, ``is_abort_release_safe``,
+``clear_deferred_abort_state``, ``_ensure_prefill_recompute_executor``,
+``submit_prefill_recompute``, ``register_dp_rank``) stay on the manager and hand over to the part.
 
 With sglang's ``prefill_complete`` allocation policy (``defer_allocation``) prefill senders are
 deferred (no deadline until ``mark_prefill_complete``) and decode receivers reserve their request
@@ -79,55 +76,48 @@ nodes.
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-import requests
 from sglang.srt.disaggregation.base.conn import BaseKVManager, BaseKVReceiver
 from sglang.srt.disaggregation.common.conn import PrefillServerInfo
 from sglang.srt.disaggregation.utils import DisaggregationMode
-from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import get_ib_devices_for_gpu
 from sglang.srt.environ import envs
-from sglang.srt.runtime_context import get_disagg, get_memory, get_parallel, get_serving
-from sglang.srt.utils.network import NetworkAddress, get_local_ip_auto
+from sglang.srt.runtime_context import get_disagg, get_memory, get_parallel
+from sglang.srt.utils.network import get_local_ip_auto
 
 from ...transfer import auth
 from ...transfer.backends import create_backend
-from ...transfer.backends.environment import rdma_devices
 from ...transfer.counters import merge
 from ...transfer.memory_kinds import kind_of, pointer_info
 from ...transfer.plan import as_aux_buffers
 from ...transfer.prefill import PrefillNode
+from .bootstrap_route import BootstrapRoute, post_dp_rank, route_row
 from .bringup import (
     backend_of,
-    bootstrap_host,
     cp_problems,
     dummy_cp_rank,
     page_share,
     sglang_class,
 )
-from .decode_nodes import HTTP_TIMEOUT_S, STAGING_BYTES, DecodeNodes
+from .decode_http import DecodeHttp
+from .decode_nodes import STAGING_BYTES, DecodeNodes
 from .deferred_release import DeferredRelease, log_release_bounds
 from .early_send import EarlySendDispatcher
-from .engines import engine_options
 from .kvargs import bridge_buffers, draft_entries, dsa_problem
 from .memory_kinds import hisparse_problem
-from .mixed import PrefillAborts, layout_mark, policy_mark
+from .mixed import PrefillAborts
 from .paged_buffers import PagedBuffers
 from .phases import PhaseLimits
 from .pool import stage_start_layer
 from .rank_config import read_rank_config
+from .rank_engine import cuda_available, rank_engine_options, sglang_mooncake_engine
 from .rank_metrics import RankMetrics, RankReading, exported
 from .release_bound import release_bound
 from .stage_consensus import StageConsensus
 from .tuning import TUNING_ENVS, heartbeat_line, ignored_lines, read_tuning
 
 log = logging.getLogger(__name__)
-
-REGISTER_WAIT_S = 30.0  # for the bootstrap server to listen when a prefill rank registers
-HTTP_WORKERS = 4  # threads for sglang's HTTP calls off its scheduler thread (DP-rank queries, rebootstrap)
 
 
 class DSABridgeKVManager(BaseKVManager):
@@ -163,18 +153,8 @@ class DSABridgeKVManager(BaseKVManager):
         self.pp_size, self.pp_rank = rank.pp_size, rank.pp_rank
         self.system_dp_size, self.system_dp_rank = rank.system_dp_size, rank.system_dp_rank
         self.local_ip = get_local_ip_auto()
-        ib_devices = get_ib_devices_for_gpu(getattr(args, "ib_device", None),
-                                            getattr(args, "gpu_id", 0) or 0)
-        ucx_net_devices = bool(os.environ.get("UCX_NET_DEVICES"))
-        if self.backend == "nixl" and ib_devices and ucx_net_devices:
-            log.warning("dsa-bridge: UCX_NET_DEVICES is set; ignoring --disaggregation-ib-device "
-                        "for NIXL UCX, as sglang does")
-        self.engine_options = engine_options(  # the GPU's devices, as sglang's connectors (engines.py)
-            self.backend, protocol=envs.MOONCAKE_PROTOCOL.get(), ib_devices=ib_devices,
-            forced_tcp=os.environ.get("MC_FORCE_TCP") == "1", present=rdma_devices(),
-            nixl_backend=envs.SGLANG_DISAGGREGATION_NIXL_BACKEND.get(),
-            nixl_params_json=envs.SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS.get(),
-            ucx_net_devices=ucx_net_devices)
+        # the GPU's devices and sglang's engine variables, as sglang's connectors (rank_engine.py)
+        self.engine_options = rank_engine_options(self.backend, args)
         self._transport_logged = False
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
         self.attn_cp_size, self.attn_cp_rank = rank.attn_cp_size, rank.attn_cp_rank
@@ -206,7 +186,7 @@ class DSABridgeKVManager(BaseKVManager):
                                    draft_entries(args), self.backend)
         if problem:
             raise ValueError(problem)
-        cuda = _cuda()
+        cuda = cuda_available()
         info = pointer_info(cuda)  # each buffer registered as the memory its pointer is
         # senders take page indices still being copied to the host (sender.py)
         self.host_tensor_indices = prefill and cuda
@@ -238,8 +218,10 @@ class DSABridgeKVManager(BaseKVManager):
             log.warning("dsa-bridge: %s", line)
         self._lock = threading.Lock()
         self.node: PrefillNode | None = None
-        self.prefill_aborts: PrefillAborts | None = None  # decode: sglang's own prefills told
-        self._http_calls: ThreadPoolExecutor | None = None  # decode: sglang's, off its thread
+        self.http = DecodeHttp(  # decode: sglang's HTTP calls, off its thread (decode_http.py)
+            f"dsa-bridge-dp{self.attn_dp_rank}-tp{self.attn_tp_rank}",
+            waiting_s=self.phase_limits.waiting_s,
+            prefill_info=lambda addr: self.prefill_info_table.get(addr))
         self.stages = StageConsensus(self.pp_size, self.pp_rank)  # prefill: its pipeline stages
         self.decode_nodes = DecodeNodes(  # decode: the prefills' parallel info, one node per DP group
             kv_args=args, pool=self.pool, aux_buffers=self.bridge.aux_buffers, backend=self.backend,
@@ -256,7 +238,7 @@ class DSABridgeKVManager(BaseKVManager):
         self.early_sends = EarlySendDispatcher(  # chunks held until sglang's forward wrote them
             f"dp{self.attn_dp_rank}-tp{self.attn_tp_rank}-pp{self.pp_rank}")
         self.memory_released = False  # sglang's memory saver released the cache (not resumed)
-        self._route_url: str | None = None  # where this rank's row went (register_to_bootstrap)
+        self.route = BootstrapRoute(getattr(args, "rust_http_port", None))  # (bootstrap_route.py)
         if prefill:
             try:
                 auth.check_listener(self.local_ip, self.secret, allow_insecure=False)
@@ -365,59 +347,15 @@ class DSABridgeKVManager(BaseKVManager):
 
     # ---- prefill: the bootstrap registration -------------------------------------------------
     def register_to_bootstrap(self) -> None:
-        """Register this rank's control endpoint with sglang's bootstrap server (``PUT /route``)
-        at the host and port sglang's own managers register to. With sglang's Rust server and
-        DP attention (``SGLANG_RUST_SERVER``, attention DP above 1), as sglang's managers do,
-        every rank's row is gathered over the world group and each rank that owns a Rust
-        listener (``rust_http_port``) puts them all into its own registry. Only the first
-        registration, at start-up, where every rank registers at once, is collective; a rank
-        that registers again alone (its resumed cache on a new port) puts its own row where it
-        put it first."""
-        first = self._route_url is None
-        host, port = self.node.endpoint.rsplit(":", 1)
-        payload = {
-            "attn_tp_size": self.attn_tp_size, "attn_tp_rank": self.attn_tp_rank,
-            "attn_cp_size": self.attn_cp_size, "attn_cp_rank": self.attn_cp_rank,
-            "attn_dp_size": self.attn_dp_size, "attn_dp_rank": self.attn_dp_rank,
-            "pp_size": self.pp_size, "pp_rank": self.pp_rank,
-            "system_dp_size": self.system_dp_size, "system_dp_rank": self.system_dp_rank,
-            "rank_ip": host, "rank_port": int(port), "page_size": self.kv_args.page_size,
-            "kv_cache_dtype": self.kv_args.kv_cache_dtype_str,
-            "kv_layout": layout_mark(self.page_share is not None and not self.page_share.interleaved),
-            "load_balance_method": get_parallel().load_balance_method,
-            "prefill_http_port": get_serving().port,
-            "decode_allocation_policy": policy_mark(self.allocation_policy),  # (mixed.py)
-            "enable_dsa_cache_layer_split": bool(get_parallel().enable_dsa_cache_layer_split),
-            "enable_kv_cache_sharding": bool(get_parallel().enable_kv_cache_sharding),
-        }
-        if envs.SGLANG_RUST_SERVER.get() and self.attn_dp_size > 1:
-            rows = get_parallel().world_group.all_gather_object(payload) if first else [payload]
-            rust_port = getattr(self.kv_args, "rust_http_port", None)
-            if rust_port is None:  # no Rust listener on this rank: the ranks with one put its row
-                if not first:
-                    log.warning("dsa-bridge: prefill rank %s moved to a new port that cannot be "
-                                "registered: it has no Rust listener, and the ranks that have one "
-                                "put rows into their registries only at start-up", self.node.endpoint)
-                self._route_url = ""
-                return
-            self._route_url = NetworkAddress(bootstrap_host(get_serving().host, None),
-                                             rust_port).to_url() + "/route"
-            for row in rows:
-                put_route(self._route_url, {**row, "prefill_http_port": rust_port})
-            log.info("dsa-bridge: prefill rank %s put %d rank(s) into its Rust registry at %s",
-                     self.node.endpoint, len(rows), self._route_url)
-            return
-        if first:
-            dist_init_addr = get_parallel().dist_init_addr
-            bootstrap_port = get_disagg().disaggregation_bootstrap_port
-            if dist_init_addr and get_parallel().nnodes > 1:  # each host may have reserved its own port
-                bootstrap_port = get_parallel().world_group.broadcast_object(bootstrap_port, src=0)
-            self._route_url = NetworkAddress(bootstrap_host(get_serving().host, dist_init_addr),
-                                             bootstrap_port).to_url() + "/route"
-        put_route(self._route_url, payload)
-        log.info("dsa-bridge: prefill rank %s registered at %s%s", self.node.endpoint, self._route_url,
-                 f" as attention CP rank {self.attn_cp_rank} of {self.attn_cp_size}, writing nothing "
-                 "(CP rank 0 writes every request)" if self.is_dummy_cp_rank else "")
+        """Register this rank's control endpoint with sglang's bootstrap server, where sglang's
+        own managers register (``bootstrap_route.py``)."""
+        row = route_row(self.rank, self.node.endpoint, page_size=self.kv_args.page_size,
+                        kv_cache_dtype=self.kv_args.kv_cache_dtype_str,
+                        split_pages=self.page_share is not None and not self.page_share.interleaved,
+                        allocation_policy=self.allocation_policy)
+        self.route.register(row, f" as attention CP rank {self.attn_cp_rank} of {self.attn_cp_size}, "
+                            "writing nothing (CP rank 0 writes every request)"
+                            if self.is_dummy_cp_rank else "")
 
     # ---- decode: sglang's names for what the parts answer --------------------------------------
     @property
@@ -471,71 +409,30 @@ class DSABridgeKVManager(BaseKVManager):
                      backend.transport(), self.engine_options or "the engine's own")
 
     def register_dp_rank(self, bootstrap_addr: str, room: int) -> None:
-        """Tell the bootstrap server this rank's DP rank serves ``room`` (``POST
-        /register_dp_rank``), which sglang's decode queries when it cannot compute it, as
-        sglang's own senders do; a failure is logged (decode's query then waits for the room
-        until its own timeout, as with sglang's)."""
-        url = f"http://{bootstrap_addr}/register_dp_rank"
-        try:
-            response = requests.post(url, json={"bootstrap_room": room, "dp_rank": self.attn_dp_rank},
-                                     timeout=HTTP_TIMEOUT_S)
-        except requests.RequestException as exc:
-            log.error("dsa-bridge: room %s: registering its prefill DP rank failed: %s", room, exc)
-            return
-        if response.status_code != 200:
-            log.error("dsa-bridge: room %s: registering its prefill DP rank failed: %d %s", room,
-                      response.status_code, response.text)
+        """Tell the bootstrap server this rank's DP rank serves ``room`` (``post_dp_rank``)."""
+        post_dp_rank(bootstrap_addr, room, self.attn_dp_rank)
 
     def _ensure_prefill_recompute_executor(self) -> ThreadPoolExecutor:
-        """The threads sglang's decode queue runs its HTTP calls on, made on first use, as
-        sglang's own managers make them (the name is sglang's): its prefill DP-rank queries
-        (``prefetch_prefill_dp_rank_queries``, every step of its event loop while a request
-        waits for its DP rank) and the rebootstrap ``/generate`` (``submit_prefill_recompute``)."""
-        with self._lock:
-            if self._http_calls is None:
-                self._http_calls = ThreadPoolExecutor(
-                    HTTP_WORKERS, thread_name_prefix=f"dsa-bridge-dp{self.attn_dp_rank}-tp"
-                    f"{self.attn_tp_rank}-http")
-            return self._http_calls
+        """The threads sglang's decode queue runs its HTTP calls on (the name is sglang's): its
+        prefill DP-rank queries and the rebootstrap (``decode_http.py``)."""
+        return self.http.executor()
 
     def submit_prefill_recompute(self, receiver: BaseKVReceiver, payload: dict) -> None:
-        """sglang's rebootstrap of a retracted request (``pause_generation(mode="retract")``,
-        then its decode queue's ``add(req, is_rebootstrap=True)``): ask the request's prefill to
-        compute it again (``POST /generate`` with sglang's ``payload``, at the HTTP port the
-        prefill registered), which then writes it to the request's new receiver. Asked once per
-        request, by attention-TP rank 0 of the first stage, as sglang's managers do; a prefill
-        that cannot be asked, or refuses, fails the request with the reason."""
-        if self.attn_tp_rank != 0 or self.pp_rank != 0:
-            return
-        info = self.prefill_info_table.get(receiver.bootstrap_addr)
-        port = getattr(info, "prefill_http_port", None)
-        if port is None:
-            receiver.fail_recompute(f"rebootstrap: the prefill at {receiver.bootstrap_addr} "
-                                    "registered no HTTP port to ask for the request again")
-            return
-        host = NetworkAddress.parse(receiver.bootstrap_addr).host
-        url = NetworkAddress(host, int(port)).to_url() + "/generate"
-        self._ensure_prefill_recompute_executor().submit(self._recompute, receiver, url, payload)
-
-    def _recompute(self, receiver: BaseKVReceiver, url: str, payload: dict) -> None:
-        """One rebootstrap ``POST`` (an HTTP thread), bounded by sglang's waiting timeout."""
-        try:
-            response = requests.post(url, json=payload, timeout=self.phase_limits.waiting_s)
-        except requests.RequestException as exc:
-            receiver.fail_recompute(f"rebootstrap: POST {url} failed: {exc}")
-            return
-        if response.status_code >= 400:
-            receiver.fail_recompute(f"rebootstrap: POST {url} answered {response.status_code} "
-                                    f"{response.text[:200]}")
+        """sglang's rebootstrap of a retracted request: ask its prefill to compute it again
+        (``DecodeHttp.submit_prefill_recompute``), once per request, by attention-TP rank 0 of the
+        first stage, as sglang's managers do."""
+        if self.attn_tp_rank == 0 and self.pp_rank == 0:
+            self.http.submit_prefill_recompute(receiver, payload)
 
     def tell_sglang_prefill(self, bootstrap_addr: str, room: int, reason: str) -> None:
-        """This rank refused ``room`` of the prefill at ``bootstrap_addr`` for ``reason``: if that
-        prefill runs sglang's own connector, its ranks are told in sglang's protocol, off the
-        scheduler thread (``mixed.PrefillAborts``, made on first use)."""
-        with self._lock:
-            if self.prefill_aborts is None:
-                self.prefill_aborts = PrefillAborts()
-        self.prefill_aborts.notify(bootstrap_addr, room, reason)
+        """This rank refused ``room`` of the prefill at ``bootstrap_addr`` for ``reason``: a prefill
+        running sglang's own connector is told in sglang's protocol (``DecodeHttp``)."""
+        self.http.tell_sglang_prefill(bootstrap_addr, room, reason)
+
+    @property
+    def prefill_aborts(self) -> PrefillAborts | None:
+        """What tells sglang's own prefills, once made (``tell_sglang_prefill``)."""
+        return self.http.prefill_aborts
 
     def teardown(self) -> None:
         """sglang's role switch (``role_switch.teardown_disaggregation``, only on an instance
@@ -553,30 +450,10 @@ class DSABridgeKVManager(BaseKVManager):
             self.metrics.close()
         self.stages.close()
         self.early_sends.close()
-        if self.prefill_aborts is not None:
-            self.prefill_aborts.close()
+        self.http.close()
         if self.node is not None:
             self.node.close()
-        if self._http_calls is not None:  # a rebootstrap POST may wait for its prefill: not joined
-            self._http_calls.shutdown(wait=False, cancel_futures=True)
         self.decode_nodes.close()
-
-
-def put_route(url: str, payload: dict) -> None:
-    """``PUT`` one prefill rank's row into sglang's bootstrap server (or Rust registry) at
-    ``url``, waiting up to ``REGISTER_WAIT_S`` for it to listen (another process may start it)."""
-    deadline = time.monotonic() + REGISTER_WAIT_S
-    while True:
-        try:
-            response = requests.put(url, json=payload, timeout=HTTP_TIMEOUT_S)
-            break
-        except requests.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-    if response.status_code != 200:
-        raise RuntimeError(f"dsa-bridge: the bootstrap server at {url} refused this prefill rank: "
-                           f"{response.status_code} {response.text}")
 
 
 def kv_shard(is_mla_backend: bool) -> tuple[int, int] | None:
@@ -589,23 +466,3 @@ def kv_shard(is_mla_backend: bool) -> tuple[int, int] | None:
 
     group = get_kv_shard_group(is_mla_backend)
     return group.rank_in_group, group.world_size
-
-
-def sglang_mooncake_engine(gpu_id: int) -> None:
-    """Start sglang's shared Mooncake engine, as sglang would have at start-up, for sglang's own
-    Mooncake manager of a pool dsa-bridge does not move (a no-op where it runs already)."""
-    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
-        init_mooncake_transfer_engine,
-    )
-    from sglang.srt.runtime_context import get_disagg, get_exec
-    from sglang.srt.utils.network import get_local_ip_auto
-
-    init_mooncake_transfer_engine(hostname=get_local_ip_auto(), gpu_id=gpu_id,
-                                  ib_device=get_disagg().disaggregation_ib_device
-                                  or get_exec().moe.mooncake_ib_device)
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -1,23 +1,27 @@
-"""The ``vllm`` section of ``dsa-bridge bench``: the same requests through dsa-bridge's vLLM
-connector, driven by vLLM's own scheduler and worker calls, against the raw engine writing the
-same descriptors, and on a fragmented block table the staged route against the direct one.
+"""The ``vllm`` section of ``dsa-bridge bench``: the same requests through vLLM's own
+NixlConnector and through dsa-bridge's connector, each driven by vLLM's own scheduler and worker
+calls on vLLM's DSA caches, prefill and decode in their own processes, byte-exact; and
+dsa-bridge's against the raw engine writing the same descriptors.
 
-vLLM's own NixlConnector cannot be the baseline here: on the CPU it refuses these caches at
-``register_kv_caches`` (``NIXL_REFUSAL``; docs/vllm.md), so the section measures the issue's
-fallback. Where vllm is installed (``.venv-vllm``), two instance processes
-(``bench.vllm_rank``): a prefill and a decode, each vLLM's scheduler, caches and dsa-bridge's
-connector (DeepSeek-V3.2's cache geometry cut to ``layers`` layers, blocks of 64).
+Where vllm is installed (``.venv-vllm``), four instance processes (``bench.vllm_rank``): a
+prefill and a decode per connector, each vLLM's ``Scheduler``, caches (DeepSeek-V3.2's
+geometry cut to ``layers`` layers, blocks of 64) and the connector vLLM's
+``KVConnectorFactory`` makes; NIXL (UCX) on loopback for both. vLLM's NixlConnector runs on
+this CPU build only with what ``vllm_rank.vllm_nixl_on_cpu`` sets (``VLLM_NIXL_ON_CPU``);
+without it, it refuses the caches (``NIXL_REFUSAL``). Its default pull mode: decode reads.
 
 A wave of ``in_flight`` requests: prefill computes them (its stand-in forward fills every page
 of both caches with the launcher's pattern; not timed) and answers; decode adds them with the
 answers and steps vLLM until it saw the last one's load finished (``finished_recving``): the
-timed window, vLLM's own scheduling and steps included; then decode compares every page.
-``raw``: the prefill's engine writes the same (prefill block, decode block) pages planned as
-its node plans them, in one write (the core bench's raw baseline), right after each wave.
-``ratio_vs_raw`` is the median over waves of raw seconds over the wave's; the fragmented mode
-(decode's free blocks reordered so that no two blocks of a request are adjacent: one block per
-run) alternates the prefill node's route, ``ratio`` the median of direct over staged seconds.
-Each mode's first wave is a warm-up: checked, not counted.
+timed window, vLLM's own scheduling and steps included; then decode compares every page. The
+connectors' waves alternate (A B, then B A). ``ratio`` is the median over wave pairs of vLLM's
+seconds over dsa-bridge's (above 1: dsa-bridge faster). The fragmented mode reorders decode's
+free blocks so that no two blocks of a request are adjacent (one block per run) and runs
+dsa-bridge's prefill on both routes, ``ratio`` taken with its staged route (what it is for).
+``ratio_vs_raw``: dsa-bridge's direct waves against the prefill's engine writing the same
+(prefill block, decode block) pages, planned as its node plans them, in one write right after
+the wave (the core bench's raw baseline). Each mode's first waves are a warm-up: checked, not
+counted.
 
 This module does not import vllm: the bench process only drives the instances.
 """
@@ -25,33 +29,40 @@ This module does not import vllm: the bench process only drives the instances.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from .channel import Driven
 
 PAGE = 64
-TARGETS = {"ratio_vs_raw": 0.9, "staged_vs_direct": 1.25}
+TARGETS = {"ratio": 1.0, "fragmented_ratio": 1.25, "ratio_vs_raw": 0.9}
 START_TIMEOUT_S = 180.0  # an instance imports vllm and builds its config: tens of seconds loaded
 COMMAND_TIMEOUT_S = 300.0
 RANK_ENV = {"MC_LOG_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "ERROR", "UCX_LOG_LEVEL": "error",
             "VLLM_LOGGING_LEVEL": "WARNING"}
+CONNECTORS = ("vllm", "dsa-bridge")  # vllm: vLLM's own NixlConnector
 NIXL_REFUSAL = (
-    "vLLM 0.32.0's NixlConnector (kv_buffer_device cpu, nixl aliased to nixl_cu12, vLLM's "
-    "parallel state set up) refuses DSA caches at register_kv_caches: 'KV cache view cannot be "
-    "partitioned into NIXL regions: ... num_blocks=384, block_stride=41984, "
-    "physical_page_size=10496': on the CPU it takes the kernel block size of the CPU MLA "
-    "backend (16 tokens), cuts each 64-token block into four 10,496-byte pages and finds the "
-    "cache's bytes no whole number of such segments")
+    "with DSA's 64-token blocks, vLLM 0.32.0's NixlConnector on the CPU refuses the caches at "
+    "register_kv_caches ('KV cache view cannot be partitioned into NIXL regions: ... "
+    "block_stride=41984, physical_page_size=10496'): it takes the CPU MLA backend's kernel "
+    "block of 16 tokens and cuts each block into four pages the cache is no whole number of")
+VLLM_NIXL_ON_CPU = (
+    "nixl imported as the installed nixl_cu12; the CPU MLA backend's kernel block claimed as "
+    "64 (no attention kernel runs here); vLLM's parallel state of one rank (gloo); the "
+    "scheduler side given the worker's handshake metadata, as vLLM's engine core does; "
+    "kv_buffer_device cpu, the UCX backend")
 
 
 @dataclass(frozen=True)
 class Mode:
     """``waves`` waves (after a warm-up) of ``in_flight`` requests of ``tokens`` tokens;
-    ``fragmented``: decode's blocks one per run, the staged and direct routes alternating."""
+    ``fragmented``: decode's blocks one per run, dsa-bridge on both routes."""
 
     in_flight: int
     tokens: int
@@ -68,6 +79,11 @@ class Mode:
         over when fragmented (every other block)."""
         return self.in_flight * (self.tokens // PAGE + 1) * (2 if self.fragmented else 1)
 
+    def runs(self) -> list[tuple[str, str]]:
+        """(connector, route) of one wave pair."""
+        routes = ("direct", "staged") if self.fragmented else ("direct",)
+        return [("vllm", "pull")] + [("dsa-bridge", route) for route in routes]
+
 
 @dataclass(frozen=True)
 class VllmSizes:
@@ -80,8 +96,8 @@ class VllmSizes:
 
 
 VLLM_SIZES = {
-    "full": VllmSizes(61, (Mode(1, 8192, 8), Mode(8, 2048, 8), Mode(1, 4096, 8, True))),
-    "quick": VllmSizes(61, (Mode(1, 8192, 4), Mode(8, 2048, 4), Mode(1, 4096, 4, True))),
+    "full": VllmSizes(61, (Mode(1, 8192, 6), Mode(8, 2048, 6), Mode(1, 4096, 6, True))),
+    "quick": VllmSizes(61, (Mode(1, 4096, 3), Mode(8, 1024, 3), Mode(1, 2048, 3, True))),
     "tiny": VllmSizes(4, (Mode(1, 256, 1), Mode(2, 128, 1), Mode(1, 256, 1, True))),
 }
 
@@ -94,8 +110,8 @@ def vllm_problem() -> str | None:
     return None
 
 
-def instance(role: str) -> Driven:
-    return Driven(f"vllm {role}", "dsa_bridge.transfer.bench.vllm_rank", ["--role", role],
+def instance(connector: str, role: str) -> Driven:
+    return Driven(f"{connector} {role}", "dsa_bridge.transfer.bench.vllm_rank", ["--role", role],
                   env={**os.environ, **RANK_ENV}, start_timeout_s=START_TIMEOUT_S,
                   command_timeout_s=COMMAND_TIMEOUT_S)
 
@@ -109,27 +125,33 @@ def free_port() -> int:
 
 
 class Pair:
-    """The prefill and decode instances, and the waves they run."""
+    """A connector's prefill and decode instances, and the waves they run."""
 
-    def __init__(self, sizes: VllmSizes, engine: str) -> None:
-        self.prefill = instance("prefill")
+    def __init__(self, connector: str, sizes: VllmSizes, model_dir: str) -> None:
+        self.connector = connector
+        self.prefill = instance(connector, "prefill")
         try:
-            self.decode = instance("decode")
+            self.decode = instance(connector, "decode")
         except BaseException:
             self.prefill.stop()
             raise
-        fields = dict(layers=sizes.layers, blocks=sizes.blocks, engine=engine,
-                      max_tokens=max(m.tokens for m in sizes.modes))
-        self.prefill.submit("setup", **fields, port=free_port())
-        self.decode.submit("setup", **fields)
-        self.prefill.reply()
-        self.decode.reply()
+        self.fields = dict(model_dir=model_dir, blocks=sizes.blocks, engine="nixl",
+                           connector="nixl" if connector == "vllm" else "dsa-bridge")
         self.waves = 0
         self.peer: dict | None = None
 
-    def wave(self, mode: Mode, route: str) -> dict:
-        """One wave on ``route``: its window, bytes, descriptors and pages that differ, and the
-        raw engine's write of the same pages (not after a staged wave)."""
+    def submit_setup(self) -> None:
+        self.prefill.submit("setup", **self.fields, port=free_port(), ports=[free_port(), free_port()])
+        self.decode.submit("setup", **self.fields, ports=[free_port(), free_port()])
+
+    def setup_done(self) -> None:
+        self.prefill.reply()
+        self.decode.reply()
+
+    def wave(self, mode: Mode, route: str, pair: int) -> dict:
+        """One wave (dsa-bridge's prefill on ``route``): its window, bytes, descriptors and
+        pages that differ, and after a direct dsa-bridge wave the raw engine's write of the
+        same pages."""
         self.waves += 1
         requests = [[f"w{self.waves}-{i}", mode.tokens, self.waves * 100 + i]
                     for i in range(mode.in_flight)]
@@ -139,15 +161,16 @@ class Pair:
         got = self.decode.call("load", answers=sent["answers"],
                                numbers={r: n for r, _, n in requests})
         written = self.prefill.call("drain")
-        wave = {"mode": mode.name, "route": route, "seconds": got["seconds"],
-                "decode_cpu_s": got["cpu_s"], "nbytes": got["nbytes"],
+        wave = {"connector": self.connector, "mode": mode.name, "route": route, "pair": pair,
+                "seconds": got["seconds"], "decode_cpu_s": got["cpu_s"], "nbytes": got["nbytes"],
                 "descriptors": written["descriptors"], "written_bytes": written["bytes"],
                 "differ": {r: n for r, n in got["differ"].items() if n}}
-        if route == "direct":
+        if self.connector == "dsa-bridge" and route == "direct":
             if self.peer is None:
                 reply = self.decode.call("peer")
                 self.peer = {"metadata": reply["metadata"], "buffers": reply["buffers"]}
-            pages = [[sent["blocks"][r][:len(got["blocks"][r])], got["blocks"][r]] for r, _, _ in requests]
+            pages = [[sent["blocks"][r][:len(got["blocks"][r])], got["blocks"][r]]
+                     for r, _, _ in requests]
             raw = self.prefill.call("raw", requests=pages, **self.peer)
             wave.update(raw_seconds=raw["seconds"], raw_descriptors=raw["descriptors"],
                         raw_bytes=raw["nbytes"])
@@ -160,65 +183,89 @@ class Pair:
             self.prefill.stop()
 
 
+def exact(wave: dict) -> bool:
+    """Every page as prefill wrote it (and dsa-bridge's node wrote exactly those bytes)."""
+    return not wave["differ"] and wave["written_bytes"] in (None, wave["nbytes"])
+
+
 def summarize(mode: Mode, waves: list[dict]) -> dict:
     """A mode's figures over its counted waves (see the module docstring)."""
-    def ms(rows):
-        return 1e3 * statistics.median(w["seconds"] for w in rows) / mode.in_flight
+    def rows(connector: str, route: str) -> list[dict]:
+        return [w for w in waves if w["connector"] == connector and w["route"] == route]
 
-    entry: dict = {"in_flight": mode.in_flight, "tokens": mode.tokens,
-                   "byte_exact": all(not w["differ"] and w["written_bytes"] == w["nbytes"]
-                                     for w in waves)}
-    direct = [w for w in waves if w["route"] == "direct"]
+    def figures(mine: list[dict]) -> dict:
+        seconds = sum(w["seconds"] for w in mine)
+        return {"ms_per_request": 1e3 * statistics.median(w["seconds"] for w in mine) / mode.in_flight,
+                "gbps": sum(w["nbytes"] for w in mine) / seconds / 1e9,
+                "decode_cpu_s": sum(w["decode_cpu_s"] for w in mine),
+                "descriptors": mine[0]["descriptors"], "byte_exact": all(map(exact, mine))}
+
+    own, direct = rows("vllm", "pull"), rows("dsa-bridge", "direct")
+    bridge = rows("dsa-bridge", "staged") if mode.fragmented else direct
+    target = TARGETS["fragmented_ratio" if mode.fragmented else "ratio"]
+    ratio = statistics.median(v["seconds"] / d["seconds"] for v, d in zip(own, bridge, strict=True))
+    vs_raw = statistics.median(w["raw_seconds"] / w["seconds"] for w in direct)
+    entry = {"in_flight": mode.in_flight, "tokens": mode.tokens, "vllm": figures(own),
+             "dsa-bridge": figures(bridge), "ratio": ratio, "target": target,
+             "target_met": ratio >= target, "ratio_vs_raw": vs_raw,
+             "raw_ms": 1e3 * statistics.median(w["raw_seconds"] for w in direct),
+             "descriptors_exact": all(w["descriptors"] == w["raw_descriptors"]
+                                      and w["raw_bytes"] == w["nbytes"] for w in direct)}
     if mode.fragmented:
-        staged = [w for w in waves if w["route"] == "staged"]
-        ratio = statistics.median(d["seconds"] / s["seconds"] for d, s in zip(direct, staged, strict=True))
-        entry.update(direct_ms_per_request=ms(direct), staged_ms_per_request=ms(staged),
-                     direct_descriptors=direct[0]["descriptors"],
-                     staged_descriptors=staged[0]["descriptors"], ratio=ratio,
-                     target=TARGETS["staged_vs_direct"], target_met=ratio >= TARGETS["staged_vs_direct"])
+        entry["dsa-bridge direct"] = figures(direct)
+        entry["staged_vs_direct"] = statistics.median(
+            d["seconds"] / s["seconds"] for d, s in zip(direct, bridge, strict=True))
     else:
-        ratio = statistics.median(w["raw_seconds"] / w["seconds"] for w in direct)
-        seconds = sum(w["seconds"] for w in direct)
-        entry.update(ms_per_request=ms(direct), gbps=sum(w["nbytes"] for w in direct) / seconds / 1e9,
-                     raw_ms=1e3 * statistics.median(w["raw_seconds"] for w in direct),
-                     descriptors=direct[0]["descriptors"],
-                     descriptors_exact=all(w["descriptors"] == w["raw_descriptors"]
-                                           and w["raw_bytes"] == w["nbytes"] for w in direct),
-                     ratio_vs_raw=ratio, target=TARGETS["ratio_vs_raw"],
-                     target_met=ratio >= TARGETS["ratio_vs_raw"])
+        entry["raw_target_met"] = vs_raw >= TARGETS["ratio_vs_raw"]
     return entry
 
 
-def run_section(size: str, progress, engine: str = "nixl") -> dict:
-    """The section at ``VLLM_SIZES[size]`` on ``engine``: its report (``skipped`` with the reason
-    where vllm is not installed here)."""
+def write_model(directory: str, layers: int) -> None:
+    """The one ``config.json`` every instance reads (vLLM's NixlConnector compares a hash of
+    the configs at its handshake)."""
+    from .vllm_rank import MODEL
+
+    Path(directory, "config.json").write_text(json.dumps({**MODEL, "num_hidden_layers": layers}))
+
+
+def run_section(size: str, progress) -> dict:
+    """The section at ``VLLM_SIZES[size]``: its report (``skipped`` with the reason where vllm
+    is not installed here)."""
     problem = vllm_problem()
     if problem is not None:
         progress(f"vllm section skipped: {problem}")
         return {"skipped": problem}
     sizes = VLLM_SIZES[size]
     started, load = time.monotonic(), os.getloadavg()
-    pair = Pair(sizes, engine)
-    progress(f"vllm section: instances ready in {time.monotonic() - started:.0f} s")
-    modes, waves = {}, []
-    try:
-        for mode in sizes.modes:
-            routes = ("direct", "staged") if mode.fragmented else ("direct",)
-            warm = [pair.wave(mode, route) for route in routes]
-            counted = []
-            for number in range(mode.waves):
-                order = routes if number % 2 == 0 else routes[::-1]
-                counted += [pair.wave(mode, route) for route in order]
-            differ = [f"{w['mode']} {w['route']}: {w['differ']}" for w in warm + counted
-                      if w["differ"] or w["written_bytes"] != w["nbytes"]]
-            if differ:
-                raise RuntimeError(f"vllm section: bytes differ after the transfer: {differ[:3]}")
-            modes[mode.name] = summarize(mode, counted)
-            waves += counted
-            progress(f"vllm section: {mode.name} done at {time.monotonic() - started:.0f} s")
-    finally:
-        pair.stop()
-    return {"layers": sizes.layers, "engine": engine, "vllm_nixl": NIXL_REFUSAL,
+    modes, waves, pairs = {}, [], {}
+    with tempfile.TemporaryDirectory(prefix="dsa-bridge-bench-vllm-") as model_dir:
+        write_model(model_dir, sizes.layers)
+        try:
+            for connector in CONNECTORS:
+                pairs[connector] = Pair(connector, sizes, model_dir)
+            for pair in pairs.values():
+                pair.submit_setup()
+            for pair in pairs.values():
+                pair.setup_done()
+            progress(f"vllm section: instances ready in {time.monotonic() - started:.0f} s")
+            for mode in sizes.modes:
+                done = []
+                for number in range(-1, mode.waves):  # -1: the warm-up
+                    runs = mode.runs() if number % 2 else mode.runs()[::-1]
+                    done += [pairs[c].wave(mode, route, number) for c, route in runs]
+                differ = [f"{w['connector']} {w['mode']} {w['route']}: {w['differ']}"
+                          for w in done if not exact(w)]
+                if differ:
+                    raise RuntimeError(f"vllm section: bytes differ after the transfer: {differ[:3]}")
+                counted = [w for w in done if w["pair"] >= 0]
+                modes[mode.name] = summarize(mode, counted)
+                waves += counted
+                progress(f"vllm section: {mode.name} done at {time.monotonic() - started:.0f} s")
+        finally:
+            for pair in pairs.values():
+                pair.stop()
+    return {"layers": sizes.layers, "engine": "nixl", "vllm_nixl_on_cpu": VLLM_NIXL_ON_CPU,
+            "vllm_nixl_refusal": NIXL_REFUSAL,
             "load_average": {"start": load, "end": os.getloadavg()},
             "seconds": round(time.monotonic() - started, 1), "modes": modes, "waves": waves}
 
@@ -229,21 +276,24 @@ def print_section(section: dict) -> None:
         print(f"\nvllm: skipped: {section['skipped']}")
         return
     load = section["load_average"]
-    print(f"\ndsa-bridge's vLLM connector ({section['engine']}, DeepSeek-V3.2 caches, "
+    print(f"\nvLLM's own NixlConnector against dsa-bridge's (NIXL, DeepSeek-V3.2 caches, "
           f"{section['layers']} layers, {section['seconds']:.0f} s, load average "
           f"{load['start'][0]:.1f} -> {load['end'][0]:.1f})")
-    print(f"vLLM's own NixlConnector: not run: {section['vllm_nixl']}")
+    print(f"vLLM's NixlConnector on this CPU: {section['vllm_nixl_on_cpu']}")
+    print(f"{'in flight x tokens':24} {'connector':18} {'ms/req':>8} {'GB/s':>6} {'descr.':>7} "
+          f"{'exact':>5}")
     for name, entry in section["modes"].items():
-        exact = "byte-exact" if entry["byte_exact"] else "BYTES DIFFER"
+        for connector in [c for c in ("vllm", "dsa-bridge direct", "dsa-bridge") if c in entry]:
+            row = entry[connector]
+            label = "dsa-bridge staged" if connector == "dsa-bridge" and "staged_vs_direct" in entry \
+                else connector
+            print(f"{name:24} {label:18} {row['ms_per_request']:>8.1f} {row['gbps']:>6.2f} "
+                  f"{row['descriptors'] if row['descriptors'] is not None else '-':>7} "
+                  f"{'yes' if row['byte_exact'] else 'NO':>5}")
         met = "met" if entry["target_met"] else "NOT met"
-        if "ratio_vs_raw" in entry:
-            print(f"{name:22} {entry['ms_per_request']:8.1f} ms/req {entry['gbps']:6.2f} GB/s, raw "
-                  f"engine {entry['raw_ms']:8.1f} ms, {entry['descriptors']} descriptors: "
-                  f"ratio_vs_raw {entry['ratio_vs_raw']:.2f} (target >= {entry['target']}: {met}), "
-                  f"{exact}")
-        else:
-            print(f"{name:22} direct {entry['direct_ms_per_request']:8.1f} ms ("
-                  f"{entry['direct_descriptors']} descriptors), staged "
-                  f"{entry['staged_ms_per_request']:8.1f} ms ({entry['staged_descriptors']}): "
-                  f"staged_vs_direct {entry['ratio']:.2f} (target >= {entry['target']}: {met}), "
-                  f"{exact}")
+        raw = "" if "raw_target_met" not in entry else \
+            f" (target >= {TARGETS['ratio_vs_raw']}: {'met' if entry['raw_target_met'] else 'NOT met'})"
+        print(f"{'':24} ratio dsa-bridge / vLLM's own {entry['ratio']:.2f} (target >= "
+              f"{entry['target']}: {met}); ratio_vs_raw {entry['ratio_vs_raw']:.2f}{raw}"
+              + (f"; staged_vs_direct {entry['staged_vs_direct']:.2f}"
+                 if "staged_vs_direct" in entry else ""))

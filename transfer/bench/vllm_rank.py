@@ -5,13 +5,15 @@ Run only where vllm is installed. What vLLM's engine core builds, on the CPU: a 
 from a local ``config.json`` (a tiny DeepSeek-V3.2 of ``layers`` layers: the caches are
 DeepSeek-V3.2's, ``fp8_ds_mla`` MLA 656 bytes and the ``DeepseekV32IndexerCache`` 132 bytes per
 token and layer, blocks of 64), the caches (``get_kv_cache_configs``, ``allocate_kv_cache``),
-dsa-bridge's connector for both roles through vLLM's ``KVConnectorFactory`` and vLLM's real
-``Scheduler``; each step runs the connector's worker calls through
+the connector for both roles (dsa-bridge's, or vLLM's own NixlConnector) through vLLM's
+``KVConnectorFactory`` and vLLM's real ``Scheduler``; each step runs the connector's worker calls through
 ``KVConnectorModelRunnerMixin`` around a stand-in forward (a DSA forward does not run on CPU).
 The bench process drives it over a ZMQ PAIR socket; each command gets one answer:
 
-- ``setup``: the instance (``role``, ``layers``, ``blocks``, the longest prompt
-  ``max_tokens``, ``engine``, prefill's ``port``);
+- ``setup``: the instance: ``model_dir`` (its ``config.json``, the same for every instance),
+  ``blocks``, dsa-bridge's ``engine`` and prefill's ``port``; ``connector`` ``dsa-bridge``
+  (dsa-bridge's connector) or ``nixl`` (vLLM's own NixlConnector, which needs
+  ``vllm_nixl_on_cpu`` first and ``ports`` for its side channel and parallel state);
 - ``prefill`` (prefill): the requests (id, tokens) with ``do_remote_decode``, each one's pages
   filled by the forward with the launcher's pattern of its number (every layer, both caches),
   stepped until all finished and once more (their senders made); answers their
@@ -37,8 +39,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -93,10 +95,45 @@ def dsa_specs(layers: int) -> dict:
     return specs
 
 
+def vllm_nixl_on_cpu(side_channel_port: int) -> None:
+    """What vLLM's own NixlConnector needs to run on this CPU build, before vllm is imported:
+    ``nixl`` is the installed ``nixl_cu12``; the CPU MLA backend claims DSA's kernel block of
+    64 tokens (it claims 16, and NixlConnector would cut each 64-token block into four pages
+    the cache's regions are no multiple of; no attention kernel runs here); the side channel
+    on its own port."""
+    import importlib
+
+    import nixl_cu12
+
+    sys.modules.setdefault("nixl", nixl_cu12)
+    for sub in ("_api", "_bindings"):
+        sys.modules.setdefault(f"nixl.{sub}", importlib.import_module(f"nixl_cu12.{sub}"))
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+    CPUMLABackend.get_supported_kernel_block_sizes = staticmethod(lambda spec=None: [PAGE])
+    CPUMLABackend.supports_block_size = classmethod(lambda cls, size: size in (None, PAGE))
+
+
+def parallel_state(config, port: int) -> None:
+    """vLLM's parallel state of one rank (NixlConnector reads its TP rank and group)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    with set_current_vllm_config(config):
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
+        ps.initialize_model_parallel(1, 1)
+
+
 class Instance:
     """One vLLM instance's scheduler and worker side, the connector in both (module docstring)."""
 
-    def __init__(self, role: str, layers: int, blocks: int, max_tokens: int, extra: dict) -> None:
+    def __init__(self, role: str, model_dir: str, blocks: int, extra: dict,
+                 connector: str = "dsa-bridge", ports: tuple[int, int] = (0, 0)) -> None:
+        if connector == "nixl":
+            vllm_nixl_on_cpu(ports[0])
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -116,17 +153,20 @@ class Instance:
         from vllm.v1.structured_output import StructuredOutputManager
         from vllm.v1.worker.utils import allocate_kv_cache
 
-        self.model_dir = tempfile.TemporaryDirectory(prefix="dsa-bridge-bench-vllm-")
-        Path(self.model_dir.name, "config.json").write_text(
-            json.dumps({**MODEL, "num_hidden_layers": layers}))
-        args = EngineArgs(model=self.model_dir.name, skip_tokenizer_init=True, load_format="dummy",
-                          kv_cache_dtype="fp8_ds_mla", max_model_len=max_tokens + PAGE,
+        layers = json.loads(Path(model_dir, "config.json").read_text())["num_hidden_layers"]
+        args = EngineArgs(model=model_dir, skip_tokenizer_init=True, load_format="dummy",
+                          kv_cache_dtype="fp8_ds_mla", max_model_len=(blocks - 1) * PAGE,
                           enforce_eager=True, enable_prefix_caching=False,
                           kv_transfer_config=KVTransferConfig(
                               kv_connector="DSABridgeConnector",
                               kv_connector_module_path="dsa_bridge.plugin.vllm.connector",
-                              kv_role=role, kv_connector_extra_config=extra))
+                              kv_role=role, kv_connector_extra_config=extra)
+                          if connector == "dsa-bridge" else KVTransferConfig(
+                              kv_connector="NixlConnector", kv_role=role, kv_buffer_device="cpu",
+                              kv_connector_extra_config={"backends": ["UCX"]}))
         self.config = args.create_engine_config()
+        if connector == "nixl":
+            parallel_state(self.config, ports[1])
         self.config.cache_config.block_size = PAGE  # the CPU MLA backend forces 16; DSA's are 64
         specs = dsa_specs(layers)
         supported = [layout.name for layout in get_supported_kv_cache_layouts(
@@ -142,9 +182,12 @@ class Instance:
                                                              self.kv_cache_config)
         kv_transfer_state._KV_CONNECTOR_AGENT = self.connector  # vLLM's transfer group
         self.connector.register_kv_caches(self.caches)
-        self.bridge = self.connector.bridge
+        self.bridge = getattr(self.connector, "bridge", None)  # None: vLLM's own connector
         self.scheduler = Scheduler(self.config, generate_scheduler_kv_cache_config([self.kv_cache_config]),
                                    StructuredOutputManager(self.config), block_size=PAGE)
+        handshake = self.connector.get_handshake_metadata()  # the engine core passes it on
+        if handshake is not None:
+            self.scheduler.get_kv_connector().set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
 
     @property
     def pool(self):
@@ -198,10 +241,7 @@ class Instance:
         return differ
 
     def close(self) -> None:
-        try:
-            self.connector.shutdown()
-        finally:
-            self.model_dir.cleanup()
+        self.connector.shutdown()
 
 
 def wait_steps(instance: Instance, done, what: str, forward=None) -> list:
@@ -224,17 +264,19 @@ class Rank:
         self.pairs, self.peer = [], ""
         self.written = (0, 0)  # the prefill node's bytes and descriptors at the last drain
 
-    def setup(self, layers: int, blocks: int, max_tokens: int, engine: str, port: int = 0) -> dict:
+    def setup(self, model_dir: str, blocks: int, engine: str, port: int = 0,
+              connector: str = "dsa-bridge", ports: tuple = (0, 0)) -> dict:
         extra = {"engine": engine, "request_timeout_s": WRITE_TIMEOUT_S}
         if self.role == "prefill":
             extra["port"] = port
         self.instance = Instance("kv_producer" if self.role == "prefill" else "kv_consumer",
-                                 layers, blocks, max_tokens, extra)
+                                 model_dir, blocks, extra, connector, tuple(ports))
         return {"blocks": self.instance.kv_cache_config.num_blocks}
 
     def prefill(self, requests: list, route: str) -> dict:
         instance = self.instance
-        instance.bridge.prefill.route = route
+        if instance.bridge is not None:
+            instance.bridge.prefill.route = route
         numbers = {req_id: number for req_id, _, number in requests}
         for req_id, tokens, _ in requests:
             instance.add(req_id, tokens, {"do_remote_decode": True})
@@ -257,6 +299,8 @@ class Rank:
     def drain(self) -> dict:
         instance = self.instance
         wait_steps(instance, lambda: not instance.scheduler.has_requests(), "prefill's held blocks")
+        if instance.bridge is None:  # vLLM's own connector: no dsa-bridge counters
+            return {"bytes": None, "descriptors": None, "free": instance.pool.get_num_free_blocks()}
         counters = instance.bridge.prefill.counters.snapshot()
         now = (counters["bytes"], counters["descriptors"])
         written, self.written = [a - b for a, b in zip(now, self.written, strict=True)], now
@@ -282,15 +326,19 @@ class Rank:
         cpu, start = cpu_seconds(), time.monotonic()
         end = start
         deadline = start + STEP_TIMEOUT_S
+        def note_blocks() -> None:  # allocated by a step, freed once a request finished
+            for req_id in answers:
+                if req_id not in blocks and req_id in instance.scheduler.requests:
+                    blocks[req_id] = instance.block_ids(req_id) or None
+            for req_id in [r for r, ids in blocks.items() if ids is None]:
+                del blocks[req_id]
+
         while len(loaded) < len(answers):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"decode: {len(loaded)} of {len(answers)} loads finished")
-            for req_id in answers:
-                if req_id not in blocks and req_id in instance.scheduler.requests:
-                    ids = instance.block_ids(req_id)
-                    if ids:
-                        blocks[req_id] = ids
+            note_blocks()
             finished, recving = instance.step()
+            note_blocks()
             if recving:
                 loaded |= recving
                 end = time.monotonic()
@@ -347,7 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control", required=True)
     parser.add_argument("--role", required=True, choices=("prefill", "decode"))
     args = parser.parse_args(argv)
-    return serve(args.control, args.role)
+    code = serve(args.control, args.role)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # not through the engines' library finalizers (UCX's can crash at exit)
 
 
 if __name__ == "__main__":

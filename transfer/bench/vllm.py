@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .channel import Driven
+from .sglang_pd import free_port
 
 PAGE = 64
 TARGETS = {"ratio": 1.0, "fragmented_ratio": 1.25, "ratio_vs_raw": 0.9}
@@ -114,14 +115,6 @@ def instance(connector: str, role: str) -> Driven:
     return Driven(f"{connector} {role}", "dsa_bridge.transfer.bench.vllm_rank", ["--role", role],
                   env={**os.environ, **RANK_ENV}, start_timeout_s=START_TIMEOUT_S,
                   command_timeout_s=COMMAND_TIMEOUT_S)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Pair:

@@ -3,9 +3,10 @@
 ``serve_prefill`` answers every room a decode node announces as if it had just computed it: it
 allocates fragmented pages, fills every layer of both caches with the deterministic pattern of
 ``launcher/page_pattern.py`` (the stand-in for the model's forward pass, timed in a ``PrefillReport``) and
-sends them in chunks. ``drive_decode`` issues requests of varied lengths, keeps several in
-flight, and checks every received byte of every layer against the same pattern, and that pages
-no request owns still hold the sentinel.
+sends them in chunks. ``drive_decode`` issues requests of varied lengths (or the rooms and
+lengths of a prefill's answers: ``dsa-bridge decode --rooms``), keeps several in flight, and
+checks every received byte of every layer against the same pattern, and that pages no request
+owns still hold the sentinel.
 """
 
 from __future__ import annotations

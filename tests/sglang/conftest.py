@@ -91,3 +91,13 @@ def published_context(**server_args_fields):
 def sglang_context():
     with published_context() as server_args:
         yield server_args
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server_stopped():
+    """The rank processes' fork server (``forkserver.py``), if a test started it, stopped at the
+    end of the session."""
+    yield
+    from .forkserver import stop_server
+
+    stop_server()

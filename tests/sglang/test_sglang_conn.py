@@ -27,7 +27,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -40,7 +39,9 @@ import torch
 from tests.conftest import require_engine
 from tests.ports import free_port
 
+from . import forkserver
 from .conftest import SGLANG_MISSING, published_context
+from .forkserver import RankProcess
 
 if SGLANG_MISSING:
     pytest.skip(SGLANG_MISSING, allow_module_level=True)
@@ -121,8 +122,7 @@ def probe(plugins: str | None, fallback: bool = False) -> dict:
     env.update(SGLANG_HOST_IP="127.0.0.1", MC_LOG_LEVEL="ERROR")
     if plugins is not None:
         env["SGLANG_PLUGINS"] = plugins
-    out = subprocess.run([sys.executable, "-c", f"FALLBACK = {fallback}\n" + PROBE], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=240)
+    out = forkserver.run(["-c", f"FALLBACK = {fallback}\n" + PROBE], env, str(ROOT), timeout_s=240)
     assert out.returncode == 0, out.stderr[-3000:]
     return {**result_of(out.stdout), "log": out.stderr}
 
@@ -225,12 +225,13 @@ RANK_ENV = {"SGLANG_PLUGINS": "dsa_bridge", "SGLANG_HOST_IP": "127.0.0.1", "MC_L
 
 
 def start_rank(role: str, cfgs: list[dict] | dict, module: str | None = None, env: dict | None = None,
-               stdout=subprocess.PIPE, stderr=subprocess.PIPE) -> subprocess.Popen:
+               stdout=subprocess.PIPE, stderr=subprocess.PIPE) -> RankProcess:
     """One rank's process (``module``, else its module by ``role``), as sglang's scheduler process
-    would run; its environment ``RANK_ENV``, then ``env``, over this one's."""
-    return subprocess.Popen([sys.executable, "-m", module or RANK_MODULES.get(role, "tests.sglang.pd_rank"),
-                             role, json.dumps(cfgs)], cwd=ROOT, env={**os.environ, **RANK_ENV, **(env or {})},
-                            stdout=stdout, stderr=stderr, text=True)
+    would run, forked from the tier's fork server (``forkserver.py``: sglang imported once); its
+    environment ``RANK_ENV``, then ``env``, over this one's."""
+    module = module or RANK_MODULES.get(role, "tests.sglang.pd_rank")
+    return RankProcess(["-m", module, role, json.dumps(cfgs)], {**os.environ, **RANK_ENV, **(env or {})},
+                       str(ROOT), stdout, stderr)
 
 
 def run_ranks(ranks: list[tuple[str, list[dict] | dict]], module: str | None = None,
@@ -241,7 +242,7 @@ def run_ranks(ranks: list[tuple[str, list[dict] | dict]], module: str | None = N
     stopped. ``timeout_s`` bounds them all, below the suite's per-test timeout, so that ranks still
     running by then fail the test with their own output's tail."""
     files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in ranks]
-    procs: list[subprocess.Popen] = []
+    procs: list[RankProcess] = []
     deadline = time.monotonic() + timeout_s
     with stopped_at_end(procs, [f for pair in files for f in pair]):
         for (role, cfgs), (out, err) in zip(ranks, files, strict=True):
@@ -260,7 +261,7 @@ def run_ranks(ranks: list[tuple[str, list[dict] | dict]], module: str | None = N
         return results
 
 
-def still_running(ranks: list, procs: list[subprocess.Popen], files: list) -> str:
+def still_running(ranks: list, procs: list[RankProcess], files: list) -> str:
     """Each rank's state and its output's last lines, for a run that timed out: a rank still
     running first dumps every thread's stack to its stderr (``SIGUSR1``, which the rank scripts
     hand to ``faulthandler``)."""
@@ -285,7 +286,7 @@ def result_of(output: str):
 
 
 @contextlib.contextmanager
-def stopped_at_end(procs: list[subprocess.Popen], files: list):
+def stopped_at_end(procs: list, files: list):
     """However the block ends: every process of ``procs`` still running killed (by its own
     handle) and waited for, and every file of ``files`` closed."""
     try:

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from tests.conftest import require_engine
 
 from .conftest import SGLANG_MISSING
+from .forkserver import RankProcess
 
 if SGLANG_MISSING:
     pytest.skip(SGLANG_MISSING, allow_module_level=True)
@@ -54,8 +53,8 @@ def run_mixed(engine: str, bridge_side: str, logs) -> tuple[dict, dict]:
             env = {**base, "SGLANG_PLUGINS": "dsa_bridge"} if role == bridge_side else base
             out, err = open(logs / f"{role}.out", "w+"), open(logs / f"{role}.err", "w+")
             files += [out, err]
-            procs.append(subprocess.Popen([sys.executable, "-m", "tests.sglang.mixed_rank", role,
-                                           json.dumps(cfg)], cwd=ROOT, env=env, stdout=out, stderr=err))
+            procs.append(RankProcess(["-m", "tests.sglang.mixed_rank", role, json.dumps(cfg)], env, str(ROOT),
+                                     out, err))
         for proc in procs:
             proc.wait(timeout=240)
         errors = {role: (logs / f"{role}.err").read_text()[-3000:] for role in ("prefill", "decode")}

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import require_engine
 
+from . import forkserver
 from .conftest import SGLANG_MISSING, published_context
 
 if SGLANG_MISSING:
@@ -66,8 +65,7 @@ def probe(plugins: str | None) -> dict:
     env["SGLANG_HOST_IP"] = "127.0.0.1"
     if plugins is not None:
         env["SGLANG_PLUGINS"] = plugins
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=240)
+    out = forkserver.run(["-c", PROBE], env, str(ROOT), timeout_s=240)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
     return {**json.loads(line[len("RESULT "):]), "log": out.stderr}

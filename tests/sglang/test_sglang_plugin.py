@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 
+from . import forkserver
 from .conftest import SGLANG_MISSING
 
 if SGLANG_MISSING:
@@ -50,8 +49,7 @@ def probe(plugins: str | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
     if plugins is not None:
         env["SGLANG_PLUGINS"] = plugins
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=240)
+    out = forkserver.run(["-c", PROBE], env, str(ROOT), timeout_s=240)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
     return {**json.loads(line[len("RESULT "):]), "log": out.stderr}

@@ -69,11 +69,11 @@ def test_sglang_decode_against_dsa_bridge_prefill_fails_fast_and_says_why(engine
     prefill, decode = run_mixed(engine, "prefill", tmp_path)
     assert (prefill["manager"], decode["manager"]) == ("DSABridgeKVManager",
                                                        f"{engine.capitalize()}KVManager")
-    assert decode["poll"] == 0 and decode["elapsed_s"] < FAST_S  # Failed, at once
+    assert decode["poll"] == 0 and decode["elapsed_s"] < FAST_S, decode  # Failed, at once
     assert "decode allocation policy mismatch: prefill=dsa-bridge" in decode["reason"]
     assert "set SGLANG_PLUGINS=dsa_bridge on the decode server too" in decode["reason"]
     # the prefill side: counted and logged, naming the side without the plugin
-    assert prefill["foreign"] >= 1 and prefill["recognised_at"] - decode["t0"] < FAST_S
+    assert prefill["foreign"] >= 1 and prefill["recognised_at"] - decode["t0"] < FAST_S, (prefill, decode)
     assert "SGLANG_PLUGINS=dsa_bridge is not set on that decode server" in decode["prefill_log"]
 
 
@@ -82,12 +82,12 @@ def test_dsa_bridge_decode_against_sglang_prefill_fails_fast_and_says_why(engine
     prefill, decode = run_mixed(engine, "decode", tmp_path)
     assert (prefill["manager"], decode["manager"]) == (f"{engine.capitalize()}KVManager",
                                                        "DSABridgeKVManager")
-    assert decode["poll"] == 0 and decode["elapsed_s"] < FAST_S
+    assert decode["poll"] == 0 and decode["elapsed_s"] < FAST_S, decode
     assert "registered kv_layout None, not dsa-bridge's" in decode["reason"]
     assert "set SGLANG_PLUGINS=dsa_bridge on the prefill too" in decode["reason"]
     assert not decode["initialised"]  # refused from the parallel info: never paired
     # sglang's own prefill is told with sglang's ABORT: its request fails at once
-    assert prefill["poll"] == 0 and prefill["failed_at"] - decode["t0"] < FAST_S
+    assert prefill["poll"] == 0 and prefill["failed_at"] - decode["t0"] < FAST_S, (prefill, decode)
     # sglang's ABORT carries no reason: sglang's prefill fails the request in its own words...
     assert prefill["reason"].endswith("Failed due to an unknown reason from another rank")
     assert decode["aborts_sent"] >= 1

@@ -58,8 +58,9 @@ def test_a_request_queued_longer_than_one_bound_succeeds(phases, engine):
     assert (prefill["poll"], decode["poll"]) == (4, 4), (prefill["reason"], decode["reason"])
     assert decode["mismatched"] == [] and decode["others_sentinel"] and decode["aux_exact"]
     # longer than one bound from its start on both sides: a single deadline from creation fails it
-    assert prefill["ended_s"] > BOUND_S and decode["ended_s"] > BOUND_S
-    assert prefill["bootstrapped_s"] < BOUND_S  # decode's pages came within the bootstrap bound
+    assert prefill["ended_s"] > BOUND_S and decode["ended_s"] > BOUND_S, (prefill, decode)
+    # decode's pages came within the bootstrap bound
+    assert prefill["bootstrapped_s"] < BOUND_S, (prefill, decode)
     # the nodes' own deadline is a backstop after both phases: 6 + 6 + 5 s
     assert prefill["node_timeout_s"] == decode["node_timeout_s"] == BACKSTOP_S
 
@@ -70,7 +71,8 @@ def test_the_waiting_phase_times_out_naming_its_variable(phases, engine):
     assert (prefill["poll"], decode["poll"]) == (0, 0)
     assert "timed out after" in decode["reason"] and "waiting (decode)" in decode["reason"]
     assert f"{WAITING_ENV}={BOUND_S}s: raise it" in decode["reason"]
-    assert BOUND_S <= decode["ended_s"] < BACKSTOP_S  # at the bound, not at the node's backstop
+    # at the bound, not at the node's backstop
+    assert BOUND_S <= decode["ended_s"] < BACKSTOP_S, (prefill, decode)
     assert f"{WAITING_ENV}={BOUND_S}s" in prefill["reason"]  # decode's Abort, with its reason
 
 
@@ -82,4 +84,4 @@ def test_the_bootstrapping_phase_times_out_naming_its_variable(phases, engine):
     for result in (prefill, decode):  # prefill's own phase ends, or decode's Abort says it first
         assert re.search(r"bootstrapping \((prefill|decode)\)", result["reason"]), result["reason"]
         assert f"{BOOTSTRAP_ENV}={BOUND_S}s: raise it" in result["reason"]
-        assert BOUND_S <= result["ended_s"] < BACKSTOP_S  # at the bound, not at the backstop
+        assert BOUND_S <= result["ended_s"] < BACKSTOP_S, result  # at the bound, not at the backstop

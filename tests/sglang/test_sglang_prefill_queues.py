@@ -81,7 +81,7 @@ def test_sglang_prefill_queues_move_a_request_byte_exact(queues, engine):
     prefill, decode = queues(engine)["transfer"]
     assert (prefill["manager"], prefill["sender"]) == ("DSABridgeKVManager", "DSABridgeKVSender")
     # the bootstrap queue: held while decode had not sent its pages, then popped and init'ed
-    assert prefill["in_bootstrap_queue"] == 1 and prefill["bootstrapping_steps"] > 0
+    assert prefill["in_bootstrap_queue"] == 1 and prefill["bootstrapping_steps"] > 0, prefill
     assert prefill["left_bootstrap_queue"] and prefill["popped"] == 1
     assert prefill["metadata_slot"] == 3 and prefill["start_send_idx"] == 0
     assert prefill["pages"] == SRC_PAGES
@@ -136,7 +136,7 @@ def test_page_indices_arrive_as_host_arrays_read_once_their_copy_completed(queue
 def test_a_decode_abort_fails_the_request_in_sglangs_bootstrap_queue(queues, engine):
     prefill, decode = queues(engine)["decode-abort"]
     assert decode["notified"] and decode["removed"] == ["aborted"]
-    assert prefill["bootstrapping_steps"] > 0 and prefill["left_bootstrap_queue"]
+    assert prefill["bootstrapping_steps"] > 0 and prefill["left_bootstrap_queue"], prefill
     assert prefill["popped"] == 0 and prefill["poll_after_bootstrap"] == 0
     assert "Prefill bootstrap failed" in prefill["finished"]
     assert "aborted by sglang" in prefill["finished"]
@@ -154,7 +154,7 @@ def test_an_optimistic_prefill_parks_until_decode_pages_arrive_then_sends(queues
     assert prefill["bootstrapping_steps"] == 0 and prefill["popped"] == 1
     assert prefill["poll_after_bootstrap"] == 1  # popped while Bootstrapping
     assert prefill["start_send_idx_after_chunk"] == 0  # the first chunk held back
-    assert prefill["parked_steps"] > 0
+    assert prefill["parked_steps"] > 0, prefill
     assert prefill["done"] == prefill["streamed"] and prefill["poll"] == 4
     assert prefill["pages_released"] and prefill["slot_released"] and prefill["row_released"]
     assert decode["poll"] == 4 and decode["mismatched"] == [] and decode["others_sentinel"]
@@ -168,7 +168,7 @@ def test_a_prefill_abort_in_the_bootstrap_queue_fails_decode_with_the_reason(que
     assert "Prefill bootstrap failed" in prefill["finished"] and "aborted by sglang" in prefill["finished"]
     assert prefill["slots_free"] and prefill["pages_free"]
     assert decode["poll"] == 0 and decode["reason"].endswith("aborted by sglang")
-    assert decode["ended_after_s"] < 10  # told, not waiting out its timeout
+    assert decode["ended_after_s"] < 10, decode  # told, not waiting out its timeout
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -183,8 +183,8 @@ def test_prefill_complete_decode_allocates_only_once_the_prefill_computed_the_re
     assert prefill["poll_after_bootstrap"] == 1  # still Bootstrapping: no pages from decode
     assert decode["polls_before_ready"] in ([1], [1, 2]) and decode["waiting_steps"] > 10
     assert decode["ready_at"] >= prefill["marked_at"]  # ready for its pages only after the mark
-    assert decode["ready_after_s"] >= 1.0  # the prefill computed it for a second meanwhile
-    assert prefill["parked_steps"] > 0  # then parked until decode's pages came
+    assert decode["ready_after_s"] >= 1.0, decode  # the prefill computed it for a second meanwhile
+    assert prefill["parked_steps"] > 0, prefill  # then parked until decode's pages came
     assert prefill["done"] == prefill["streamed"] and prefill["poll"] == 4
     assert prefill["pages_released"] and prefill["slot_released"] and prefill["row_released"]
     assert decode["poll"] == 4, decode.get("reason")

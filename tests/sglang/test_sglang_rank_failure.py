@@ -73,14 +73,14 @@ def rank_failure():
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_failure_on_one_prefill_rank_stops_the_other_ranks_transfer(rank_failure, engine):
     failed, other, _, second = rank_failure(engine)["prefill"]
-    assert failed["verdict"] == other["verdict"] == 0  # sglang's MIN of the ranks' polls: Failed
+    assert failed["verdict"] == other["verdict"] == 0, other  # sglang's MIN of the ranks' polls: Failed
     assert failed["reason"] == "aborted by sglang"
     assert other["own_at_verdict"] in (2, 3)  # its own transfer was still running...
     assert ANOTHER_RANK in other["exception"] and other["from_another_rank"]
-    assert other["own_after_failure_exception"] == 0  # ...and failure_exception stopped it
-    assert other["writes"] == 1  # the write in flight finished; the second chunk was never written
+    assert other["own_after_failure_exception"] == 0, other  # ...and failure_exception stopped it
+    assert other["writes"] == 1, other  # the write in flight finished; the second chunk was never written
     page_bytes = 64 * 4 * (656 + 132)
-    assert 0 < other["bytes"] < 5 * page_bytes  # not the request's 5 pages
+    assert 0 < other["bytes"] < 5 * page_bytes, other  # not the request's 5 pages
     assert ANOTHER_RANK in second["finished"]  # decode rank 1 failed with prefill rank 1's reason
     assert second["new_owner_intact"] and second["released"][0]["fence"] is True
 
@@ -97,8 +97,8 @@ def test_the_other_decode_rank_is_stopped_and_its_pages_held_until_no_write_can_
         assert rank["forced_releases"] == 0 and rank["unreleased_at_end"] == 0
     assert "injected failure" in first["finished"]
     assert ANOTHER_RANK in second["finished"]  # stopped: by its own failure_exception or its prefill's
-    assert second["answers_false"] > 0 and second["last_answer"] is True  # held while the write ran
-    assert 0 < second["released"][0]["landed"] < second["total"]  # the write in flight, no more
+    assert second["answers_false"] > 0 and second["last_answer"] is True, second  # held while the write ran
+    assert 0 < second["released"][0]["landed"] < second["total"], second  # the write in flight, no more
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +116,10 @@ def early_sends():
 @pytest.mark.parametrize("engine", ENGINES)
 def test_an_early_send_reads_its_pages_only_once_the_forward_wrote_them(early_sends, engine):
     prefill, decode = early_sends(engine)["ok"]
-    assert prefill["send_seconds"] < 0.5  # sglang's scheduler thread never waited
-    assert prefill["bytes_before_forward_done"] == 0 and prefill["poll_before_forward_done"] in (2, 3)
-    assert prefill["queries"] > 0  # the event was asked, from dsa-bridge's thread
+    assert prefill["send_seconds"] < 0.5, prefill  # sglang's scheduler thread never waited
+    assert prefill["bytes_before_forward_done"] == 0, prefill
+    assert prefill["poll_before_forward_done"] in (2, 3), prefill
+    assert prefill["queries"] > 0, prefill  # the event was asked, from dsa-bridge's thread
     assert prefill["poll"] == decode["poll"] == 4
     assert decode["mismatched"] == [] and decode["others_sentinel"] and decode["aux_exact"]
 

@@ -83,7 +83,7 @@ def test_pages_held_until_the_fence_lifts_then_released_whole(releases, engine):
     prefill, decode = releases(engine)["held"]
     assert decode["abort_notified"]
     assert decode["held"] == 1  # sglang's deferred-release list held the request
-    assert decode["answers_false"] > 0  # while prefill's write was in flight...
+    assert decode["answers_false"] > 0, decode  # while prefill's write was in flight...
     assert decode["last_answer"] is True  # ...then True, and sglang released the pages
     (release,) = decode["released"]
     assert release["fence"] is True
@@ -98,14 +98,14 @@ def test_pages_held_until_the_fence_lifts_then_released_whole(releases, engine):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_waiting_timeout_mid_write_holds_the_pages_until_the_write_is_over(releases, engine):
     prefill, decode = releases(engine)["timeout"]
-    assert WAITING_S - 0.1 < decode["failed_after_s"] < 2 * WAITING_S  # sglang's bound, mid-write
+    assert WAITING_S - 0.1 < decode["failed_after_s"] < 2 * WAITING_S, decode  # sglang's bound, mid-write
     assert f"SGLANG_DISAGGREGATION_WAITING_TIMEOUT={WAITING_S}s" in decode["finished"]
     assert decode["status"] == 500
     assert decode["notified"] and decode["held"] == 1  # sglang's queue armed its hold itself
-    assert decode["answers_false"] > 0 and decode["last_answer"] is True
+    assert decode["answers_false"] > 0 and decode["last_answer"] is True, decode
     (release,) = decode["released"]
     assert release["fence"] is True
-    assert release["landed"] > decode["landed_at_failure"] > 0  # the held write landed while held
+    assert release["landed"] > decode["landed_at_failure"] > 0, decode  # the held write landed while held
     assert decode["new_owner_intact"] and decode["landed_at_end"] == 0
     assert decode["forced_releases"] == 0 and decode["pending"] == 0
     assert not decode["in_node_at_end"] and prefill["poll"] == 0  # told to stop
@@ -144,14 +144,14 @@ def lost():
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_prefill_lost_mid_write_fails_the_request_and_its_pages_go_once_it_is_gone(lost, engine):
     decode = lost(engine)
-    assert decode["landed_at_abort"] > 0  # killed with its write half landed
-    assert decode["failed_after_s"] < 20 and decode["status"] == 500
+    assert decode["landed_at_abort"] > 0, decode  # killed with its write half landed
+    assert decode["failed_after_s"] < 20 and decode["status"] == 500, decode
     assert "unreachable (no heartbeat for 5.0s)" in decode["finished"]
     (release,) = decode["released"]
     assert release["fence"] is True, decode  # proven gone: no write of it can land
     assert decode["notified"] and decode["held"] == 1 and decode["last_answer"] is True
     # what was on its way at the kill may land; the write's second half never comes
-    assert decode["landed_at_abort"] <= release["landed"] < decode["pairs"]
+    assert decode["landed_at_abort"] <= release["landed"] < decode["pairs"], decode
     assert decode["new_owner_intact"] and decode["landed_at_end"] == 0
     assert decode["forced_releases"] == 0 and decode["pending"] == 0
     assert not decode["in_node_at_end"]

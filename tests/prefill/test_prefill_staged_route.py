@@ -5,8 +5,9 @@ decode scatters it into its pages and frees the slice.
 Byte-exact KV, indexer and aux slots on fragmented and one-page-per-descriptor page lists, with
 checksums verified after the scatter; a bad page refused before any write; a slice of decode's ring
 written again only after decode scattered it (a slow scatter, more slices than the ring holds);
-a slice whose write failed kept out of the ring. The same route between processes, chosen by the
-launcher's ``--route``: tests/integration/test_two_process.py."""
+a slice whose write failed kept out of the ring; a failed scatter fails its request and frees its
+slice. The same route between processes, chosen by the launcher's ``--route``:
+tests/integration/test_two_process.py."""
 
 from __future__ import annotations
 
@@ -214,6 +215,35 @@ def test_a_failed_write_keeps_its_slice_fenced(nodes):
     targets = {address for _, address in backend.events}
     assert targets == {area.ptr + (1 - fenced) * area.slice_bytes}  # never the fenced slice
     assert ring.fenced == {fenced: until}
+
+
+def test_a_failed_scatter_fails_its_request_and_still_frees_its_slice(nodes, monkeypatch):
+    """The scatter thread hands a failed copy forward to the request, which fails naming it and
+    holds no scatter; the slice is freed all the same: the next request, ten slices through a
+    ring of two, succeeds."""
+    from dsa_bridge.transfer.decode import scatter as scatter_module
+
+    copy, calls = scatter_module.scatter, []
+
+    def failing_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("scatter bug")
+        copy(*args)
+
+    monkeypatch.setattr(scatter_module, "scatter", failing_once)
+    prefill, decode, _, _ = nodes(slices=2, decode_slices=2)
+    _, failed = run(prefill, decode, 6, [3, 4], [5, 6])
+    assert failed.poll() == KVPoll.Failed
+    assert "internal error scattering a staged slice: RuntimeError: scatter bug" in \
+        failed.state.reason
+    wait_for(failed.can_release, 30, "the failed request's pages released",
+             detail=lambda: f"scatters {failed.scatters}, fence {failed.fence.outstanding}")
+    assert failed.scatters == 0
+    src, dst = PageAllocator(32, seed=9).alloc(20), PageAllocator(48, seed=10).alloc(20)
+    _, receiver = run(prefill, decode, 7, src, dst)
+    assert receiver.poll() == KVPoll.Success, receiver.failure_exception()
+    assert count_mismatches(decode.pool, 7, dst) == 0
 
 
 @pytest.mark.gpu

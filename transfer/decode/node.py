@@ -31,9 +31,9 @@ The node coordinates; its control thread routes what arrives and runs the tick:
 - a staged slice goes to the scatter thread (``SliceScatter.slice_written_locked``); the other
   messages keep their order behind the slices queued before them (``in_order_locked``);
 - a chunk report goes to its request (``KVReceiver.chunk_reported_locked``); with ``checksums`` on,
-  a counted chunk then goes to the verifier thread (``verify.ChunkVerifier``), which hands its
-  outcome to the request (``KVReceiver.chunk_verified``); without, a last chunk completes the
-  prefill's part (``KVReceiver.part_done_locked``);
+  a counted chunk then goes, with its pages, to the verifier thread (``verify.ChunkVerifier``),
+  which hands its outcome forward to the request (``KVReceiver.chunk_verified``); without, a
+  last chunk completes the prefill's part (``KVReceiver.part_done_locked``);
 - the tick marks a prefill silent for ``peer_timeout_s`` dead (``liveness``): every request it may
   still write into is quarantined and the running ones fail; requests to it meanwhile fail at once.
   A dead prefill is offered a new handshake of this node's session, with backoff
@@ -268,7 +268,7 @@ class DecodeNode:
         if not receiver.chunk_reported_locked(peer, done, now):
             return
         if self.checksums:  # the part counts once the verifier has checked every chunk
-            self._verifier.submit(receiver, done, peer)
+            self._verifier.submit(receiver, done, peer, *receiver.chunk_pages(done))
         elif done.last:
             receiver.part_done_locked(peer, now)
 

@@ -293,6 +293,13 @@ class KVReceiver(RequestHandle):
         elif self.parts.complete and self.state.advance(KVPoll.Success, now):
             self._context.counters.request_ok(self.state.finished_at - self.started_at)
 
+    def slice_scattered_locked(self, problem: str, now: float) -> None:
+        """The scatter thread copied a staged slice into its pages (``problem``: why it could not,
+        which fails the request)."""
+        self.scatters -= 1
+        if problem:
+            self.abort_locked(problem, now)
+
     def chunk_pages(self, done: protocol.ChunkDone) -> tuple[np.ndarray, np.ndarray | None]:
         """Decode's page ids a chunk's checksums index, of the KV and of the indexer (None: the
         KV's): the request's, or a share chunk's own."""

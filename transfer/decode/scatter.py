@@ -9,8 +9,9 @@ node writes a group of a request's pages (every buffer it writes, buffer-major:
 control thread checks the report against the share and the request (``slice_written_locked``: a
 slice of the share, pages within the request; ProtocolError otherwise) and queues it. The scatter
 thread, in arrival order, copies the slice into the request's pages (``slices.scatter``, on the
-pool's device), then frees the slice (``SliceFree``). A request that has ended meanwhile gets
-nothing; its slice is freed all the same.
+pool's device), hands the outcome forward to the request (``KVReceiver.slice_scattered_locked``),
+then frees the slice (``SliceFree``). A request that has ended meanwhile gets nothing; its slice
+is freed all the same.
 
 While a scatter into a request's pages may run, the request counts it (``KVReceiver.scatters``)
 and its pages are not released. The node's other messages keep their order behind the slices
@@ -139,25 +140,22 @@ class SliceScatter:
 
     def _slice(self, peer: PrefillPeer, receiver: KVReceiver | None,
                written: protocol.SliceWritten) -> None:
-        """Scatter a slice (unless its request is gone), then free it; a failed scatter fails
-        its request."""
-        try:
-            if receiver is not None:
-                self._scatter(peer, receiver, written)
-        except Exception as exc:
-            log.exception("room %d: scattering a staged slice failed", written.room)
+        """Scatter a slice (unless its request is gone), hand the outcome forward to the request
+        (``KVReceiver.slice_scattered_locked``: a failed scatter fails it), then free the slice."""
+        if receiver is not None:
+            problem = self._scatter(peer, receiver, written)
             with self._lock:
-                receiver.abort_locked(f"internal error scattering a staged slice: "
-                                      f"{type(exc).__name__}: {exc}", time.monotonic())
+                receiver.slice_scattered_locked(problem, time.monotonic())
         self._send(peer.socket, protocol.SliceFree([written.slice]))
 
     def _scatter(self, peer: PrefillPeer, receiver: KVReceiver,
-                 written: protocol.SliceWritten) -> None:
-        """Copy the slice into the request's pages (unless it ended meanwhile)."""
+                 written: protocol.SliceWritten) -> str:
+        """Copy the slice into the request's pages (unless it ended meanwhile); why that failed,
+        or ""."""
         try:
             with self._lock:
                 if receiver.state.status in TERMINAL:
-                    return
+                    return ""
             pages = receiver.page_ids[written.offset:written.offset + written.pages]
             keys = sorted(peer.keys, key=buffer_order)
             offsets = slice_offsets([self._views[key].shape[1] for key in keys], pages.size)
@@ -168,6 +166,7 @@ class SliceScatter:
                 scatter(self._area[offsets[i]:offsets[i + 1]], self._views[key], pages, index)
             if self._area.is_cuda:  # the slice is read before prefill may write it again
                 torch.cuda.current_stream(self._area.device).synchronize()
-        finally:
-            with self._lock:
-                receiver.scatters -= 1
+            return ""
+        except Exception as exc:
+            log.exception("room %d: scattering a staged slice failed", written.room)
+            return f"internal error scattering a staged slice: {type(exc).__name__}: {exc}"

@@ -2,11 +2,12 @@
 thread (which also runs heartbeats: a control loop blocked on hashing makes peers declare each
 other dead).
 
-The control thread queues every counted chunk of a checksummed request; the verifier takes them in
-arrival order, computes the checksums of the pages the chunk wrote into this node's pool
-(``checksum.verify_chunk``) and hands the outcome to the chunk's request
-(``KVReceiver.chunk_verified``), which fails itself or, after its last chunk, turns Success. A
-request stays Transferring meanwhile; one that failed meanwhile is skipped.
+The control thread queues every counted chunk of a checksummed request, with decode's page ids
+the chunk's checksums index (``KVReceiver.chunk_pages``); the verifier takes them in arrival
+order, computes the checksums of those pages in this node's pool (``checksum.verify_chunk``) and
+hands the outcome forward to the chunk's request (``KVReceiver.chunk_verified``), which fails
+itself or, after its last chunk, turns Success: it reads nothing else of the request but whether
+it ended. A request stays Transferring meanwhile; one that failed meanwhile is skipped.
 """
 
 from __future__ import annotations
@@ -30,10 +31,6 @@ class VerifiedRequest(Protocol):
     room: int
     state: RequestState
 
-    def chunk_pages(self, done: protocol.ChunkDone) -> tuple[np.ndarray, np.ndarray | None]:
-        """Decode's page ids the chunk's checksums index: of the KV, of the indexer (None: the
-        KV's)."""
-
     def chunk_verified(self, done: protocol.ChunkDone, peer, problem: str, verified: int,
                        seconds: float) -> None:
         """The outcome for one chunk of ``peer``: problem or "", (buffer, page) checksums
@@ -49,15 +46,17 @@ class ChunkVerifier:
         self._views: dict | None = None  # made on first use: a node without checksums needs none
         self._thread = JobThread(f"{name}-verifier", self._verify)
 
-    def submit(self, request: VerifiedRequest, done: protocol.ChunkDone, peer) -> None:
-        """Queue a chunk ``peer`` reported for ``request``."""
-        self._thread.put((request, done, peer))
+    def submit(self, request: VerifiedRequest, done: protocol.ChunkDone, peer, pages: np.ndarray,
+               index_pages: np.ndarray | None) -> None:
+        """Queue a chunk ``peer`` reported for ``request``, whose checksums index decode's
+        ``pages`` of the KV and ``index_pages`` of the indexer (None: ``pages``)."""
+        self._thread.put((request, done, peer, pages, index_pages))
 
     def close(self, timeout_s: float = 10.0) -> None:
         self._thread.close(timeout_s)
 
     def _verify(self, job: tuple) -> None:
-        request, done, peer = job
+        request, done, peer, pages, index_pages = job
         if request.state.status in TERMINAL:  # failed meanwhile: nothing left to prove
             return
         started = time.perf_counter()
@@ -65,7 +64,6 @@ class ChunkVerifier:
         try:
             if self._views is None:
                 self._views = checksum.pool_views(self._pool)
-            pages, index_pages = request.chunk_pages(done)
             if pages.size:  # (a share writer's last chunk, or a request of no page, is empty)
                 verified = checksum.verify_chunk(self._views, pages, done.checksums,
                                                  index_pages=index_pages,

@@ -10,7 +10,9 @@ The layers, bottom up (docs/architecture.md):
 2. the integrations and tools: the SGLang adapter (``plugin/sglang/``), the vLLM connector
    (``plugin/vllm/``), the launcher (``transfer/launcher/``) and the bench (``transfer/bench/``).
 
-A module may import its own layer or one below, never one above.
+A module may import its own layer or one below, never one above. Inside each node's package the
+work flows one way: the units a node hands work to (the writer, the reporter, the verifier, the
+scatter, a request's own object) never import the node or its request book, which submit it.
 """
 
 from __future__ import annotations
@@ -98,6 +100,23 @@ def test_no_module_imports_a_layer_above_its_own():
         if layer(target) > layer(name)
     ]
     assert upward == []
+
+
+SUBMITTERS = ("dsa_bridge.transfer.prefill.node", "dsa_bridge.transfer.prefill.requests",
+              "dsa_bridge.transfer.decode.node")
+WORKERS = ("dsa_bridge.transfer.prefill.writer", "dsa_bridge.transfer.prefill.outcomes",
+           "dsa_bridge.transfer.prefill.prefill_request", "dsa_bridge.transfer.prefill.stager",
+           "dsa_bridge.transfer.prefill.checksums", "dsa_bridge.transfer.decode.verify",
+           "dsa_bridge.transfer.decode.scatter", "dsa_bridge.transfer.decode.receiver",
+           "dsa_bridge.transfer.decode.job_thread")
+
+
+def test_work_handed_forward_never_imports_who_submitted_it():
+    graph = edges()
+    assert set(SUBMITTERS + WORKERS) <= set(graph), "a named module is gone: update the lists"
+    back = [f"{worker} imports {target}" for worker in WORKERS for target in graph[worker]
+            if target in SUBMITTERS]
+    assert back == []
 
 
 def test_no_import_cycles():

@@ -7,6 +7,11 @@ engine, the fragmented table one block per run."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from dsa_bridge.transfer.bench import vllm as vllm_section
@@ -14,6 +19,8 @@ from dsa_bridge.transfer.bench.command import SECTIONS
 from dsa_bridge.transfer.bench.vllm import TARGETS, VLLM_SIZES, Mode, summarize
 
 from .conftest import VLLM_MISSING
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def wave(connector, pair, seconds, route=None, raw=None, nbytes=1000, descriptors=8, differ=None):
@@ -79,11 +86,17 @@ def test_the_section_says_it_is_skipped_where_vllm_is_not_installed(monkeypatch,
 
 @pytest.mark.slow  # four vLLM instance processes
 @pytest.mark.skipif(bool(VLLM_MISSING), reason=VLLM_MISSING or "")
-def test_the_section_runs_both_connectors_byte_exact(capsys):
+def test_the_section_runs_both_connectors_byte_exact():
+    """As a user runs it: ``dsa-bridge bench --tiny --sections vllm --json`` in its own process
+    (which starts the four instances and stops them by PID), bounded."""
     from tests.conftest import require_engine
 
     require_engine("nixl")
-    section = vllm_section.run_section("tiny", lambda text: None)
+    done = subprocess.run([sys.executable, "-m", "dsa_bridge.transfer.launcher.cli", "bench",
+                           "--tiny", "--sections", "vllm", "--json"], cwd=ROOT, capture_output=True,
+                          text=True, stdin=subprocess.DEVNULL, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    section = json.loads(done.stdout)["vllm"]
     modes = section["modes"]
     assert list(modes) == ["1 x 256", "2 x 128", "1 x 256 fragmented"]
     buffers = 2 * VLLM_SIZES["tiny"].layers  # MLA and indexer, every layer
@@ -98,6 +111,4 @@ def test_the_section_runs_both_connectors_byte_exact(capsys):
     assert fragmented["dsa-bridge direct"]["descriptors"] == 4 * buffers  # one block per run
     assert fragmented["dsa-bridge"]["descriptors"] < 4 * buffers  # staged: one per slice
     assert len(section["waves"]) == 2 + 2 + 3  # one counted pair a mode, fragmented: 3 waves
-    vllm_section.print_section(section)
-    out = capsys.readouterr().out
-    assert "ratio dsa-bridge / vLLM's own" in out and "target >= 1.25" in out
+    vllm_section.print_section(section)  # the table a user reads, from the report

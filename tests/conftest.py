@@ -82,14 +82,24 @@ ENGINE_PARAMS = ("engine", "backend", "backend_name")  # the fixtures and argume
 FAST_TIER_ENGINE = "nixl"
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+# run first: the folders whose files take minutes, so that under ``-n`` (pytest-xdist hands whole
+# files out in the order collected) the short files fill the end instead of waiting on a long one
+LONG_FIRST = (*SLOW_TIERS, "bench")
+
+
+def test_folder(item: pytest.Item) -> str:
     tests = Path(__file__).parent
+    return item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        folder = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
+        folder = test_folder(item)
         params = getattr(getattr(item, "callspec", None), "params", {})
         engines = {params[name] for name in ENGINE_PARAMS if name in params}
         if folder in SLOW_TIERS or (folder != "backends" and engines - {FAST_TIER_ENGINE}):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: test_folder(item) not in LONG_FIRST)  # stable: files stay whole
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -122,8 +122,11 @@ def run(argv: list[str], env: dict, cwd: str, timeout_s: float) -> subprocess.Co
 
 
 def stop_server() -> None:
-    """The fork server, if this process started one, stopped and waited for (its ranks are
-    stopped by their tests)."""
+    """The fork server, if this process started one, killed by its PID and waited for (a graceful
+    exit unloads sglang for tens of seconds under load; its ranks are stopped by their tests)."""
     from multiprocessing import forkserver
 
-    forkserver._forkserver._stop()
+    server = forkserver._forkserver
+    if server._forkserver_pid is not None:
+        os.kill(server._forkserver_pid, signal.SIGKILL)
+    server._stop()

@@ -272,8 +272,8 @@ def transfer(scheduler, req, cfg: dict, result: dict) -> None:
     scheduler.checkpoint_disagg_prefill(req)
     scheduler.disagg_prefill_inflight_queue.append(req)
     if cfg.get("policy") == "prefill_complete":
+        result["marked_at"] = time.time()  # before: decode may see the mark before the call returns
         req.disagg_kv_sender.mark_prefill_complete()  # decode may allocate now
-        result["marked_at"] = time.time()
     if not req.pending_bootstrap:
         scheduler.send_kv_chunk(req, last_chunk=True)
     done, parked_steps = [], 0  # parked: prefilled before decode's pages arrived

@@ -182,7 +182,8 @@ def test_prefill_complete_decode_allocates_only_once_the_prefill_computed_the_re
     assert prefill["bootstrapping_steps"] == 0 and prefill["popped"] == 1  # computed at once
     assert prefill["poll_after_bootstrap"] == 1  # still Bootstrapping: no pages from decode
     assert decode["polls_before_ready"] in ([1], [1, 2]) and decode["waiting_steps"] > 10
-    assert decode["ready_at"] >= prefill["marked_at"]  # ready for its pages only after the mark
+    # ready for its pages only once the mark began
+    assert decode["ready_at"] >= prefill["marked_at"], (prefill, decode)
     assert decode["ready_after_s"] >= 1.0, decode  # the prefill computed it for a second meanwhile
     assert prefill["parked_steps"] > 0, prefill  # then parked until decode's pages came
     assert prefill["done"] == prefill["streamed"] and prefill["poll"] == 4

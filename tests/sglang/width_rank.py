@@ -210,6 +210,7 @@ def decode_rank(cfg: dict, server_args) -> dict:
     addr = f"127.0.0.1:{cfg['port']}"
     wait_for(lambda: manager.try_ensure_parallel_info(addr), 240, "prefill parallel info")
     info = manager.prefill_info_table[addr]
+    routes = cp_routes(addr, info.attn_cp_size)  # now: the prefill's server is gone once it is done
     dp_size = info.dp_size
     receivers = []
     for request in cfg["requests"]:
@@ -232,7 +233,7 @@ def decode_rank(cfg: dict, server_args) -> dict:
                            for receiver, request in zip(receivers, cfg["requests"], strict=True)],
               "untouched": untouched(cfg, pool, draft), "engines": len(engines),
               "nodes": len(manager.decode_nodes.nodes), "peers": [r.bootstrap_infos for r in receivers],
-              "cp_routes": cp_routes(addr, info.attn_cp_size),
+              "cp_routes": routes,
               "verifies_checksums": manager.should_verify_kv_checksum(addr)}
     for receiver in receivers:
         receiver.clear()

@@ -10,7 +10,8 @@ worker's connector (``KVConnectorFactory``, published as vLLM's transfer group) 
 ``Scheduler``, whose own connector is the scheduler side. ``step`` runs one engine step: the
 scheduler's output goes through ``KVConnectorModelRunnerMixin``'s connector lifecycle
 (``start_load_kv``, ``wait_for_save``, ``get_transfer_results``) around the test's ``forward``
-(which fills or checks the scheduled requests' pages) and back into the scheduler.
+(which fills or checks the scheduled requests' pages) and back into the scheduler
+(``transfer/bench/vllm_rank.py``'s ``engine_step``, which the bench's ``vllm`` section runs too).
 """
 
 from __future__ import annotations
@@ -124,7 +125,6 @@ class MiniEngine:
         self.worker.register_kv_caches(self.caches)
         self.scheduler = Scheduler(self.config, generate_scheduler_kv_cache_config([self.kv_cache_config]),
                                    StructuredOutputManager(self.config), block_size=PAGE)
-        self.outputs: dict[str, object] = {}  # request id -> its last EngineCoreOutput
 
     @property
     def free_blocks(self) -> int:
@@ -150,30 +150,10 @@ class MiniEngine:
 
     def step(self, forward=None) -> list:
         """One engine step; ``forward(scheduler_output)`` runs inside the worker's connector
-        lifecycle. Returns the finished requests' outputs."""
-        from vllm.forward_context import set_forward_context
-        from vllm.v1.outputs import ModelRunnerOutput
-        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+        lifecycle (the bench's ``engine_step``). Returns the finished requests' outputs."""
+        from dsa_bridge.transfer.bench.vllm_rank import engine_step
 
-        out = self.scheduler.schedule()
-        with set_forward_context(None, self.config), \
-                KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output:
-            if forward is not None:
-                forward(out)
-        req_ids = list(out.num_scheduled_tokens)
-        sampled = []
-        for req_id in req_ids:
-            request = self.scheduler.requests[req_id]
-            sampled.append([7] if request.num_computed_tokens >= request.num_prompt_tokens else [])
-        runner = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                   sampled_token_ids=sampled, kv_connector_output=kv_output)
-        finished = []
-        for outputs in self.scheduler.update_from_output(out, runner).values():
-            for output in outputs.outputs:
-                self.outputs[output.request_id] = output
-                if output.finish_reason is not None:
-                    finished.append(output)
-        return finished
+        return engine_step(self.scheduler, self.config, forward)[0]
 
     def close(self) -> None:
         self.worker.shutdown()

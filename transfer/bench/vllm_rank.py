@@ -127,6 +127,30 @@ def parallel_state(config, port: int) -> None:
         ps.initialize_model_parallel(1, 1)
 
 
+def engine_step(scheduler, config, forward=None) -> tuple[list, set]:
+    """One step of vLLM's engine core on ``scheduler``, the worker's connector calls
+    (``KVConnectorModelRunnerMixin``) around ``forward(scheduler_output)``, a token sampled for
+    each request whose prompt is computed: the requests that finished, and those whose load
+    vLLM saw finish (``finished_recving``)."""
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+    out = scheduler.schedule()
+    with set_forward_context(None, config), \
+            KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output:
+        if forward is not None:
+            forward(out)
+    req_ids = list(out.num_scheduled_tokens)
+    sampled = [[7] if scheduler.requests[r].num_computed_tokens
+               >= scheduler.requests[r].num_prompt_tokens else [] for r in req_ids]
+    runner = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                               sampled_token_ids=sampled, kv_connector_output=kv_output)
+    finished = [o for outputs in scheduler.update_from_output(out, runner).values()
+                for o in outputs.outputs if o.finish_reason is not None]
+    return finished, set(kv_output.finished_recving or ()) if kv_output else set()
+
+
 class Instance:
     """One vLLM instance's scheduler and worker side, the connector in both (module docstring)."""
 
@@ -206,25 +230,7 @@ class Instance:
         self.scheduler.add_request(Request(req_id, prompt, sampling, None))
 
     def step(self, forward=None) -> tuple[list, set]:
-        """One engine step (``forward(scheduler_output)`` inside the worker's connector calls):
-        the requests that finished, and those whose load vLLM saw finish."""
-        from vllm.forward_context import set_forward_context
-        from vllm.v1.outputs import ModelRunnerOutput
-        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
-
-        out = self.scheduler.schedule()
-        with set_forward_context(None, self.config), \
-                KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output:
-            if forward is not None:
-                forward(out)
-        req_ids = list(out.num_scheduled_tokens)
-        sampled = [[7] if self.scheduler.requests[r].num_computed_tokens
-                   >= self.scheduler.requests[r].num_prompt_tokens else [] for r in req_ids]
-        runner = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                   sampled_token_ids=sampled, kv_connector_output=kv_output)
-        finished = [o for outputs in self.scheduler.update_from_output(out, runner).values()
-                    for o in outputs.outputs if o.finish_reason is not None]
-        return finished, set(kv_output.finished_recving or ()) if kv_output else set()
+        return engine_step(self.scheduler, self.config, forward)
 
     def pattern(self, number: int, blocks: list[int], check: bool = False) -> int:
         """Fill (or, ``check``: compare) the request ``number``'s ``blocks`` with the launcher's

@@ -22,7 +22,6 @@ import importlib.machinery
 import importlib.util
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -103,13 +102,3 @@ def fork_server_stopped():
 
     stop_server()
 
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each test here in the ``xdist_group`` of its module and engine: under ``pytest -n N
-    --dist loadgroup`` a module's tests of one engine run on one worker, where its module fixture
-    runs that engine's process pair once for them all, and other groups run beside them."""
-    here = Path(__file__).parent
-    for item in items:
-        if item.path.is_relative_to(here):
-            engine = getattr(getattr(item, "callspec", None), "params", {}).get("engine", "")
-            item.add_marker(pytest.mark.xdist_group(f"{item.path.stem}:{engine}"))

@@ -71,10 +71,15 @@ class Driven:
         self._socket = self._context.socket(zmq.PAIR)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDTIMEO, int(command_timeout_s * 1000))
-        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", module, "--control", f"tcp://127.0.0.1:{port}", *args],
-            env=env, stdout=sys.stderr, stdin=subprocess.DEVNULL)
+        try:
+            port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", module, "--control", f"tcp://127.0.0.1:{port}", *args],
+                env=env, stdout=sys.stderr, stdin=subprocess.DEVNULL)
+        except BaseException:  # a context left with an open socket hangs when collected
+            self._socket.close(0)
+            self._context.term()
+            raise
         self.start_timeout_s = start_timeout_s
         self._pending: str | None = "start"  # its first answer: it started
 

@@ -87,19 +87,19 @@ FAST_TIER_ENGINE = "nixl"
 LONG_FIRST = (*SLOW_TIERS, "bench")
 
 
-def test_folder(item: pytest.Item) -> str:
+def folder_of(item: pytest.Item) -> str:
     tests = Path(__file__).parent
     return item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        folder = test_folder(item)
+        folder = folder_of(item)
         params = getattr(getattr(item, "callspec", None), "params", {})
         engines = {params[name] for name in ENGINE_PARAMS if name in params}
         if folder in SLOW_TIERS or (folder != "backends" and engines - {FAST_TIER_ENGINE}):
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: test_folder(item) not in LONG_FIRST)  # stable: files stay whole
+    items.sort(key=lambda item: folder_of(item) not in LONG_FIRST)  # stable: files stay whole
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -29,15 +29,6 @@ from tests.sglang.prealloc_rank import make_req
 from tests.transfer.helpers import wait_for
 
 
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def sglangs_queues(cfg: dict, server_args, pool, metadata, group):
     """sglang's transfer and prefill-allocation queues, by their own ``__init__``, in the
     scheduler's order; sglang's deadline as its transfer queue read it."""
@@ -117,7 +108,7 @@ def aborted(side: SimpleNamespace) -> dict:
             "forced_releases": side.manager.deferred_release.forced_releases}
 
 
-def run(cfg: dict, server_args, group, lines: Lines) -> dict:
+def run(cfg: dict, server_args, group, lines: release_rank.LogLines) -> dict:
     for name, value in zip(release_rank.ENV, cfg["env"], strict=True):
         os.environ[name] = value
     lines.messages.clear()
@@ -147,7 +138,7 @@ def main() -> None:
         return
     configs = json.loads(sys.argv[2])
     load_plugins()
-    lines = Lines()
+    lines = release_rank.LogLines(logging.INFO)
     logging.getLogger("dsa_bridge.plugin.sglang").addHandler(lines)
     logging.getLogger("dsa_bridge.plugin.sglang").setLevel(logging.INFO)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{configs[0]['dist_port']}",

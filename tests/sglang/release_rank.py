@@ -46,9 +46,11 @@ ENV = ("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE",
 WAITING_ENV = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"
 
 
-class Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
+class LogLines(logging.Handler):
+    """The messages logged at ``level`` or above, in order."""
+
+    def __init__(self, level: int = logging.WARNING):
+        super().__init__(level)
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -166,7 +168,7 @@ def new_owner_intact(side: SimpleNamespace) -> bool:
     return all(bool((v[side.dst] == NEW_OWNER).all()) for v in pd_rank.views(side.pool).values())
 
 
-def run(cfg: dict, server_args, group, warnings: Warnings) -> dict:
+def run(cfg: dict, server_args, group, warnings: LogLines) -> dict:
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     for name, value in zip(ENV, cfg["env"], strict=True):
@@ -240,7 +242,7 @@ def main() -> None:
 
     configs = json.loads(sys.argv[2])
     load_plugins()
-    warnings = Warnings()
+    warnings = LogLines()
     logging.getLogger("dsa_bridge.plugin.sglang").addHandler(warnings)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{configs[0]['dist_port']}",
                             world_size=1, rank=0)

@@ -18,8 +18,7 @@ from dsa_bridge.transfer.handshake import HandshakeError
 from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request, sentinel_intact
 from dsa_bridge.transfer.plan import PlanError, check_destination, pair_buffers, plan_writes
 from dsa_bridge.transfer.request import KVPoll
-from tests.transfer.helpers import aux_tensors, ended, infos, make_pool
-from tests.transfer.test_tp_widths import prefill_node
+from tests.transfer.helpers import aux_tensors, ended, infos, make_pool, prefill_node
 
 ROOM = 9
 SRC = np.array([9, 3, 4, 5, 17])

@@ -19,32 +19,13 @@ import numpy as np
 import pytest
 
 from dsa_bridge.transfer import protocol
-from dsa_bridge.transfer.backends import create_backend
-from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request, sentinel_intact
-from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import TERMINAL, KVPoll
-from tests.transfer.helpers import aux_tensors, infos, make_pool, wait_for
+from tests.transfer.helpers import aux_tensors, decode_node, prefill_node, wait_for
 
 PAGE = 64
 SRC = np.array([9, 3, 4, 5, 17])
 DST = np.array([2, 11, 12, 13, 1])
-
-
-def prefill_node(engine, made, *, aux=None, request_timeout_s=60.0):
-    node = PrefillNode(make_pool(), create_backend(engine), peer_timeout_s=2.0, heartbeat_s=0.1,
-                       checksums=True, aux_buffers=infos(aux or []),
-                       request_timeout_s=request_timeout_s)
-    made.append(node)
-    return node
-
-
-def decode_node(engine, made, prefill, *, aux=None, request_timeout_s=60.0):
-    node = DecodeNode(make_pool(size=64 * 24, sentinel=True), create_backend(engine),
-                      [prefill.endpoint], peer_timeout_s=2.0, heartbeat_s=0.1, checksums=True,
-                      aux_buffers=infos(aux or []), request_timeout_s=request_timeout_s)
-    made.append(node)
-    return node
 
 
 @pytest.fixture
@@ -117,7 +98,7 @@ def test_decode_allocates_once_prefill_completed_in_either_order(engine, made, r
     src_aux = aux_tensors(4)
     prefill = prefill_node(engine, made, aux=src_aux)
     dst_aux = aux_tensors(4, fill=0xA5)
-    decode = decode_node(engine, made, prefill, aux=dst_aux)
+    decode = decode_node(engine, made, [prefill], aux=dst_aux)
     told = readiness(prefill)
     for tensor in src_aux:
         tensor[2] = 0x3C
@@ -144,7 +125,7 @@ def test_decode_allocates_once_prefill_completed_in_either_order(engine, made, r
 
 def test_readiness_is_sent_once_per_decode_node(engine, made, readiness):
     prefill = prefill_node(engine, made)
-    decode = decode_node(engine, made, prefill)
+    decode = decode_node(engine, made, [prefill])
     told = readiness(prefill)
     receiver = decode.receiver(2, reserve=True)
     reserved(prefill, 2)
@@ -162,7 +143,7 @@ def test_readiness_is_sent_once_per_decode_node(engine, made, readiness):
 
 def test_readiness_for_a_room_decode_does_not_reserve_is_ignored(engine, made):
     prefill = prefill_node(engine, made)
-    decode = decode_node(engine, made, prefill)
+    decode = decode_node(engine, made, [prefill])
     plain = decode.receiver(3)  # made without reserve: ready from the start
     assert plain.prefill_ready
     identity = next(iter(prefill._sessions.peers))
@@ -177,7 +158,7 @@ def test_readiness_for_a_room_decode_does_not_reserve_is_ignored(engine, made):
 
 def test_a_reserved_receiver_may_send_its_pages_before_readiness(engine, made, readiness):
     prefill = prefill_node(engine, made)
-    decode = decode_node(engine, made, prefill)
+    decode = decode_node(engine, made, [prefill])
     told = readiness(prefill)
     receiver = decode.receiver(4, reserve=True)
     sender = prefill.sender(4, deferred=True)
@@ -199,7 +180,7 @@ def test_a_reserved_receiver_may_send_its_pages_before_readiness(engine, made, r
 def test_a_prefill_abort_before_completion_fails_decode_at_once(engine, made, readiness,
                                                                 reserve_before_abort):
     prefill = prefill_node(engine, made)
-    decode = decode_node(engine, made, prefill)  # its own deadline: 60 s
+    decode = decode_node(engine, made, [prefill])  # its own deadline: 60 s
     told = readiness(prefill)
     sender = prefill.sender(5, deferred=True)
     if reserve_before_abort:
@@ -223,7 +204,7 @@ def test_a_prefill_abort_before_completion_fails_decode_at_once(engine, made, re
 @pytest.mark.parametrize("sender_exists", [True, False])
 def test_a_decode_abort_before_readiness_fails_the_sender(engine, made, readiness, sender_exists):
     prefill = prefill_node(engine, made)
-    decode = decode_node(engine, made, prefill)
+    decode = decode_node(engine, made, [prefill])
     told = readiness(prefill)
     receiver = decode.receiver(6, reserve=True)
     reserved(prefill, 6)
@@ -247,7 +228,7 @@ def test_a_decode_abort_before_readiness_fails_the_sender(engine, made, readines
 @pytest.mark.slow
 def test_a_deferred_sender_has_no_deadline_until_it_completes(engine, made):
     prefill = prefill_node(engine, made, request_timeout_s=3.0)  # (the transfer's time after it)
-    decode = decode_node(engine, made, prefill)
+    decode = decode_node(engine, made, [prefill])
     deferred = prefill.sender(7, deferred=True)
     plain = prefill.sender(8)  # its deadline runs from creation
     wait_for(lambda: plain.poll() == KVPoll.Failed, 5, "the plain sender timed out")
@@ -264,7 +245,7 @@ def test_a_deferred_sender_has_no_deadline_until_it_completes(engine, made):
 
 def test_a_completed_deferred_sender_times_out_without_decode_pages(engine, made):
     prefill = prefill_node(engine, made, request_timeout_s=1.0)
-    decode = decode_node(engine, made, prefill)
+    decode = decode_node(engine, made, [prefill])
     receiver = decode.receiver(9, reserve=True)
     sender = prefill.sender(9, deferred=True)
     reserved(prefill, 9)
@@ -279,7 +260,7 @@ def test_a_completed_deferred_sender_times_out_without_decode_pages(engine, made
 @pytest.mark.slow
 def test_decodes_deadline_starts_again_at_readiness(engine, made):
     prefill = prefill_node(engine, made)
-    decode = decode_node(engine, made, prefill, request_timeout_s=3.0)
+    decode = decode_node(engine, made, [prefill], request_timeout_s=3.0)
     receiver = decode.receiver(10, reserve=True)
     created_deadline = receiver.state.deadline
     sender = prefill.sender(10, deferred=True)
@@ -296,7 +277,7 @@ def test_decodes_deadline_starts_again_at_readiness(engine, made):
 
 def test_an_unclaimed_reservation_is_refused_at_prefills_timeout(engine, made):
     prefill = prefill_node(engine, made, request_timeout_s=1.0)
-    decode = decode_node(engine, made, prefill)  # its own deadline: 60 s
+    decode = decode_node(engine, made, [prefill])  # its own deadline: 60 s
     receiver = decode.receiver(11, reserve=True)
     reserved(prefill, 11)
     wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "the refusal")
@@ -307,7 +288,7 @@ def test_an_unclaimed_reservation_is_refused_at_prefills_timeout(engine, made):
 
 def test_malformed_rooms_are_dropped_and_counted(engine, made, readiness):
     prefill = prefill_node(engine, made)
-    decode = decode_node(engine, made, prefill)
+    decode = decode_node(engine, made, [prefill])
     told = readiness(prefill)
     for room in (-1, protocol.MAX_ROOM + 1):
         decode._loop.send(decode.peers[0].socket, protocol.Reserve(room))
@@ -327,7 +308,7 @@ def test_malformed_rooms_are_dropped_and_counted(engine, made, readiness):
 
 def test_a_dropped_decode_node_fails_what_it_reserved(engine, made):
     prefill = prefill_node(engine, made)
-    decode = decode_node(engine, made, prefill)
+    decode = decode_node(engine, made, [prefill])
     sender = prefill.sender(13, deferred=True)
     decode.receiver(13, reserve=True)
     decode.receiver(14, reserve=True)  # no sender yet

@@ -17,8 +17,7 @@ import pytest
 
 from dsa_bridge.transfer.launcher.drivers import sentinel_intact
 from dsa_bridge.transfer.request import TERMINAL, KVPoll
-from tests.prefill.test_prefill_complete import decode_node, prefill_node
-from tests.transfer.helpers import aux_tensors, wait_for
+from tests.transfer.helpers import aux_tensors, decode_node, prefill_node, wait_for
 
 PAGE = 64
 PROMPT = 5 * PAGE  # the whole page-aligned prompt, in decode's radix cache
@@ -31,7 +30,7 @@ def ended(sender, receiver):
 def test_an_aux_only_request_writes_the_slot_and_no_page(engine, made):
     src_aux, dst_aux = aux_tensors(4), aux_tensors(4, fill=0xA5)
     prefill = prefill_node(engine, made, aux=src_aux)
-    decode = decode_node(engine, made, prefill, aux=dst_aux)
+    decode = decode_node(engine, made, [prefill], aux=dst_aux)
     receiver = decode.receiver(1)
     receiver.init([], num_tokens=PROMPT, aux_index=2, prefix_tokens=PROMPT)
     sender = prefill.sender(1)
@@ -55,7 +54,7 @@ def test_an_aux_only_request_writes_the_slot_and_no_page(engine, made):
 def test_bad_zero_page_requests_are_refused(engine, made):
     src_aux = aux_tensors(4)
     prefill = prefill_node(engine, made, aux=src_aux)
-    decode = decode_node(engine, made, prefill, aux=aux_tensors(4, fill=0xA5))
+    decode = decode_node(engine, made, [prefill], aux=aux_tensors(4, fill=0xA5))
     with pytest.raises(ValueError, match="page_ids is empty"):  # nothing to serve
         decode.receiver(1).init([], num_tokens=PROMPT)
     with pytest.raises(ValueError, match="num_pages must not be negative, got -1"):
@@ -72,7 +71,7 @@ def test_bad_zero_page_requests_are_refused(engine, made):
 def test_a_zero_page_side_facing_pages_fails_both_before_any_write(engine, made, decode_pages,
                                                                    prefill_pages):
     prefill = prefill_node(engine, made, aux=aux_tensors(4))
-    decode = decode_node(engine, made, prefill, aux=aux_tensors(4, fill=0xA5))
+    decode = decode_node(engine, made, [prefill], aux=aux_tensors(4, fill=0xA5))
     receiver = decode.receiver(1)
     receiver.init(decode_pages, num_tokens=PROMPT, aux_index=1, prefix_tokens=PROMPT - 2 * PAGE
                   if decode_pages else PROMPT)

@@ -8,7 +8,10 @@ import time
 import numpy as np
 
 from dsa_bridge.plugin import DSALayout, DSATokenToKVPool
+from dsa_bridge.transfer.backends import create_backend
+from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.launcher.drivers import reset_pages
+from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import TERMINAL
 
 SMALL_CONFIG = {"num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
@@ -55,3 +58,23 @@ def infos(bufs):
 
 def ended(*handles):
     wait_for(lambda: all(h.poll() in TERMINAL for h in handles), 20, "the request's end")
+
+
+def prefill_node(engine, made, aux=None, *, request_timeout_s=60.0):
+    """A prefill node over the real engine ``engine``, checksums on, closed by ``made``."""
+    node = PrefillNode(make_pool(), create_backend(engine), peer_timeout_s=2.0, heartbeat_s=0.1,
+                       checksums=True, aux_buffers=infos(aux or []),
+                       request_timeout_s=request_timeout_s)
+    made.append(node)
+    return node
+
+
+def decode_node(engine, made, prefills, aux=None, *, request_timeout_s=60.0):
+    """A decode node of the ``prefills`` over the real engine ``engine``, its pages at the
+    sentinel, checksums on, closed by ``made``."""
+    node = DecodeNode(make_pool(size=64 * 24, sentinel=True), create_backend(engine),
+                      [p.endpoint for p in prefills], peer_timeout_s=2.0, heartbeat_s=0.1,
+                      checksums=True, aux_buffers=infos(aux or []),
+                      request_timeout_s=request_timeout_s)
+    made.append(node)
+    return node

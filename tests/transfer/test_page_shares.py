@@ -18,8 +18,7 @@ import pytest
 from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request, sentinel_intact
 from dsa_bridge.transfer.request import KVPoll
 
-from .helpers import aux_tensors, ended, wait_for
-from .test_tp_widths import decode_node, prefill_node
+from .helpers import aux_tensors, decode_node, ended, prefill_node, wait_for
 
 ROOM = 5
 DST = np.array([3, 4, 10, 11, 12])  # decode's pages for the request's 5 pages

@@ -16,31 +16,13 @@ import numpy as np
 import pytest
 
 from dsa_bridge.transfer import protocol
-from dsa_bridge.transfer.backends import create_backend
-from dsa_bridge.transfer.decode import DecodeNode
 from dsa_bridge.transfer.launcher.drivers import count_mismatches, fill_request, sentinel_intact
-from dsa_bridge.transfer.prefill import PrefillNode
 from dsa_bridge.transfer.request import KVPoll
 
-from .helpers import aux_tensors, ended, infos, make_pool, wait_for
+from .helpers import aux_tensors, decode_node, ended, prefill_node, wait_for
 
 PAGE = 64
 SRC = np.array([9, 3, 4, 5, 17])
-
-
-def prefill_node(engine, made, aux=None):
-    node = PrefillNode(make_pool(), create_backend(engine), peer_timeout_s=2.0, heartbeat_s=0.1,
-                       checksums=True, aux_buffers=infos(aux or []))
-    made.append(node)
-    return node
-
-
-def decode_node(engine, made, prefills, aux=None):
-    node = DecodeNode(make_pool(size=64 * 24, sentinel=True), create_backend(engine),
-                      [p.endpoint for p in prefills], peer_timeout_s=2.0, heartbeat_s=0.1,
-                      checksums=True, aux_buffers=infos(aux or []))
-    made.append(node)
-    return node
 
 
 def test_a_wider_decode_gets_the_whole_request_on_every_rank(engine, made):

@@ -29,7 +29,8 @@ from .rank_config import RankConfig
 
 log = logging.getLogger(__name__)
 
-REGISTER_WAIT_S = 30.0  # for the bootstrap server to listen when a prefill rank registers
+REGISTER_WAIT_S = 30.0  # for the bootstrap server to take a prefill rank's row (listen, answer)
+REGISTER_BACKOFF_S, REGISTER_BACKOFF_MAX_S = 0.1, 2.0  # between two attempts: doubled up to the max
 
 
 def route_row(rank: RankConfig, endpoint: str, *, page_size: int, kv_cache_dtype: str | None,
@@ -96,16 +97,25 @@ class BootstrapRoute:
 
 def put_route(url: str, payload: dict) -> None:
     """``PUT`` one prefill rank's row into sglang's bootstrap server (or Rust registry) at
-    ``url``, waiting up to ``REGISTER_WAIT_S`` for it to listen (another process may start it)."""
-    deadline = time.monotonic() + REGISTER_WAIT_S
+    ``url``. A PUT that cannot connect (another process may start the server) or is not answered
+    within ``HTTP_TIMEOUT_S`` (a starved host) is tried again, with backoff, for up to
+    ``REGISTER_WAIT_S`` (the row is the same each time: a PUT sets it); then the rank fails in one
+    line naming the attempts and the last error. A refusal (not 200) is not retried."""
+    deadline, backoff, attempts = time.monotonic() + REGISTER_WAIT_S, REGISTER_BACKOFF_S, 0
     while True:
+        attempts += 1
         try:
             response = requests.put(url, json=payload, timeout=HTTP_TIMEOUT_S)
             break
-        except requests.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+        except (requests.ConnectionError, requests.Timeout) as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(
+                    f"dsa-bridge: the bootstrap server at {url} did not take this prefill rank in "
+                    f"{REGISTER_WAIT_S:g}s ({attempts} attempt(s)); the last: "
+                    f"{type(exc).__name__}: {exc}") from exc
+            time.sleep(min(backoff, left))
+            backoff = min(2 * backoff, REGISTER_BACKOFF_MAX_S)
     if response.status_code != 200:
         raise RuntimeError(f"dsa-bridge: the bootstrap server at {url} refused this prefill rank: "
                            f"{response.status_code} {response.text}")

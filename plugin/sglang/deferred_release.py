@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver
-from sglang.srt.environ import envs
 
 from ...transfer.decode import DecodeNode, KVReceiver
 from .decode_nodes import DecodeNodes
+from .release_bound import RELEASE_TIMEOUT_ENV, ReleaseBound
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +38,13 @@ def log_release_bounds(enabled: bool) -> None:
 
 class DeferredRelease:
     """The rooms sglang holds and the requests whose fence answers for them (module docstring);
-    ``nodes`` are the rank's decode nodes, whose retired ones close once idle."""
+    ``nodes`` are the rank's decode nodes, whose retired ones close once idle; ``bound`` the one
+    release bound, which sglang's transfer queue holds once the hook gave it (``take_bound``)."""
 
-    def __init__(self, nodes: DecodeNodes):
+    def __init__(self, nodes: DecodeNodes, bound: ReleaseBound):
         self.nodes = nodes
+        self.bound = bound
+        self.deadline_s = bound.sglang_s  # sglang's deferred-release deadline in force
         self.forced_releases = 0  # pages sglang released while the fence still held them
         self._abort_generation = 0  # sglang's wire id of a held room's abort (kept, not sent)
         self._armed: dict[int, int] = {}  # room -> generation, while sglang holds its pages
@@ -71,9 +74,20 @@ class DeferredRelease:
         self._armed.pop(bootstrap_room, None)
         receiver = self._live.get(bootstrap_room)
         if receiver is not None and not receiver.can_release():
-            receiver.release_forced(
-                f"at sglang's deferred-release deadline ({DEFERRED_RELEASE_ENV}_TIMEOUT="
-                f"{float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()):g}s)")
+            receiver.release_forced(self.at_deadline())
+
+    def take_bound(self) -> float:
+        """sglang's transfer queue holds pages for the one bound from now on (the hook on its
+        prefill-allocation queue): the deadline in force, returned."""
+        self.deadline_s = self.bound.bound_s
+        return self.deadline_s
+
+    def at_deadline(self) -> str:
+        """How a release at sglang's deadline is told: the deadline in force, and sglang's
+        setting it came from."""
+        raised = " raised to the one bound" if self.deadline_s != self.bound.sglang_s else ""
+        return (f"at sglang's deferred-release deadline of {self.deadline_s:g}s "
+                f"({RELEASE_TIMEOUT_ENV}={self.bound.sglang_s:g}s{raised})")
 
     def count_forced_release(self, room: int, how: str) -> None:
         self.forced_releases += 1

@@ -120,7 +120,7 @@ def one_release_bound(result, queue, *args, **kwargs) -> None:
     manager, transfer_queue = queue.kv_manager, queue.transfer_queue
     if not isinstance(manager, DSABridgeKVManager) or not transfer_queue.enable_deferred_kv_release:
         return
-    transfer_queue.deferred_kv_release_timeout = manager.release_bound.bound_s
+    transfer_queue.deferred_kv_release_timeout = manager.deferred_release.take_bound()
     log.info("dsa-bridge: %s", manager.release_bound.line())
 
 

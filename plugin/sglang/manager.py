@@ -234,7 +234,7 @@ class DSABridgeKVManager(BaseKVManager):
             pp_rank=self.pp_rank, memory_released=lambda: self.memory_released,
             peer_timeout_s=self.tuning.peer_timeout_s, heartbeat_s=self.tuning.heartbeat_s,
             quarantine_timeout_s=self.release_bound.bound_s)
-        self.deferred_release = DeferredRelease(self.decode_nodes)  # decode: sglang's held pages
+        self.deferred_release = DeferredRelease(self.decode_nodes, self.release_bound)  # decode
         self.early_sends = EarlySendDispatcher(  # chunks held until sglang's forward wrote them
             f"dp{self.attn_dp_rank}-tp{self.attn_tp_rank}-pp{self.pp_rank}")
         self.memory_released = False  # sglang's memory saver released the cache (not resumed)

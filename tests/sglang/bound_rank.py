@@ -1,17 +1,17 @@
 """One sglang decode rank whose queues are made by sglang's own ``__init__`` (the hooked one), for
 ``test_sglang_release_bound.py``, in its own process: ``python -m tests.sglang.bound_rank bound
-CONFIGS_JSON`` (``prefill``: ``pd_rank``'s prefill rank) runs each scenario in turn and prints
-one ``RESULT [json, ...]`` line.
+CONFIGS_JSON`` (``prefill``: ``pd_rank``'s prefill rank) runs each scenario in turn and prints one
+``RESULT [json, ...]`` line.
 
 Per scenario, as sglang's scheduler makes them (scheduler.py ~1585-1610): its
 ``DecodeTransferQueue`` (which reads sglang's deferral flag and deadline from its variables, set
 from ``env`` first), then its ``DecodePreallocQueue``, whose ``__init__`` makes the manager
 (``_init_kv_manager``) and runs dsa-bridge's AFTER hook; the scheduler's other attributes are
-stand-ins. What each queue and the manager's fence then hold as their bound, and the lines
-dsa-bridge logged. With ``abort`` a request follows (``release_rank``'s steps, over these
-queues): sent to the prefill, aborted while its write is held in flight, then sglang's
-``pop_transferred`` / ``resolve_deferred_releases`` until the pages are released and the
-prefill's write window is over.
+stand-ins. What each queue and the manager's fence then hold as their bound, the lines dsa-bridge
+logged, and how it would tell a release forced at sglang's deadline. With ``abort`` a request
+follows (``release_rank``'s steps, over these queues): sent to the prefill, aborted while its write
+is held in flight, then sglang's ``pop_transferred`` / ``resolve_deferred_releases`` until the pages
+are released and the prefill's write window is over.
 """
 
 from __future__ import annotations
@@ -120,6 +120,7 @@ def run(cfg: dict, server_args, group, lines: release_rank.LogLines) -> dict:
     result = {"manager": type(manager).__qualname__, "sglang_read": read,
               "sglang_deadline": transfer.deferred_kv_release_timeout,
               "fence_bound": manager.decode_nodes.quarantine_timeout_s,
+              "forced_text": manager.deferred_release.at_deadline(),  # a release at the deadline
               "bound_lines": [m for m in lines.messages if "held at most" in m]}
     if cfg.get("abort"):
         side = queued(cfg, pool, transfer, manager)

@@ -11,6 +11,8 @@ sglang's deadline at 0.3 s, which forces a release mid-write where sglang keeps 
 (``test_sglang_release.py``'s forced case), a request aborted while prefill's write is held in
 flight keeps its pages until the fence lifts: released whole, nothing forced, the new owner's
 bytes intact. With deferral off nothing is changed (each release at once counted, as before).
+A release forced at sglang's deadline would be told with the deadline in force (the bound where
+it was raised), and sglang's setting it came from.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ def test_sglangs_shorter_deadline_is_raised_and_the_pages_wait_for_the_fence(bou
     assert release["landed"] > decode["landed_at_abort"]  # the write landed while held
     assert decode["new_owner_intact"] and decode["landed_at_end"] == 0
     assert decode["forced_releases"] == 0
+    assert decode["forced_text"] == (  # the deadline in force, not sglang's 0.3 s
+        f"at sglang's deferred-release deadline of 600s ({VARIABLE}=0.3s raised to the one bound)")
 
 
 def test_sglangs_longer_deadline_becomes_the_fences_bound_too(bounds):
@@ -89,9 +93,11 @@ def test_sglangs_longer_deadline_becomes_the_fences_bound_too(bounds):
     assert decode["fence_bound"] == 900  # the fence holds a silent prefill's pages as long
     (line,) = decode["bound_lines"]
     assert "held at most 900s" in line and f"{VARIABLE}=900s, the fence's bound too" in line
+    assert decode["forced_text"] == f"at sglang's deferred-release deadline of 900s ({VARIABLE}=900s)"
 
 
 def test_with_deferral_off_sglangs_queue_is_left_as_it_is(bounds):
     decode = bounds["off"]
     assert decode["sglang_read"] == decode["sglang_deadline"] == 0.3
     assert decode["bound_lines"] == [] and decode["fence_bound"] == FENCE_BOUND_S
+    assert decode["forced_text"] == f"at sglang's deferred-release deadline of 0.3s ({VARIABLE}=0.3s)"

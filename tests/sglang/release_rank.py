@@ -2,10 +2,11 @@
 ``test_sglang_release.py``, in its own process: ``python -m tests.sglang.release_rank release
 CONFIGS_JSON`` runs each scenario in turn and prints one ``RESULT [json, ...]`` line.
 
-The queue is a real ``DecodeTransferQueue`` whose attributes are set as its ``__init__`` sets them
-(the deferral flag and timeout from sglang's own environment variables; its constructor needs a
-scheduler): its gloo group a real one-rank torch.distributed group, its metadata buffers and
-index allocator sglang's own. Its manager comes from sglang's own
+The queue is a real ``DecodeTransferQueue`` made by its own ``__init__`` (the deferral flag and
+deadline from sglang's own environment variables), without the prefill-allocation queue, so without
+dsa-bridge's hook that raises that deadline to the one bound (``transfer_queue``; the forced case is
+a sglang that never took the bound): its gloo group a real one-rank torch.distributed group, its
+metadata buffers and index allocator sglang's own. Its manager comes from sglang's own
 ``DecodePreallocQueue._init_kv_manager`` (the hooked ``get_kv_class``: dsa-bridge's), its requests
 are sglang's ``Req``. Stand-ins: ``_release_request`` (sglang's frees the pages through the radix
 tree) records when sglang releases a request's pages, what dsa-bridge's fence said then, and gives
@@ -20,9 +21,9 @@ scheduler.py ~5780; ``abort``), or the prefill's process killed (``kill_prefill`
 finds it silent, then gone), or nothing: sglang's waiting timeout (``waiting_timeout``, set as
 ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` for the manager) or a corrupted page fails it; then each
 step ``pop_transferred`` and ``resolve_deferred_releases`` (decode.py ~2835-2975, ~3046-3110),
-asking sglang's question ``is_abort_release_safe`` beside them, until the pages are released and
-the prefill's write window is over. When the request first polls Failed, how long after it was
-queued and how much of prefill's write had landed.
+asking sglang's question ``is_abort_release_safe`` beside them, until the pages are released and the
+prefill's write window is over. When the request first polls Failed, how long after it was queued
+and how much of prefill's write had landed.
 """
 
 from __future__ import annotations
@@ -58,24 +59,25 @@ class LogLines(logging.Handler):
 
 
 def transfer_queue(manager, metadata, group, released: list):
-    """A real ``DecodeTransferQueue`` with the attributes its ``__init__`` would set."""
+    """sglang's ``DecodeTransferQueue``, made by its own ``__init__`` (which reads the deferral
+    flag and deadline from sglang's variables), its releases recorded in ``released``. Only the
+    transfer queue: the manager is made by ``_init_kv_manager`` alone, so dsa-bridge's hook on
+    the prefill-allocation queue's ``__init__`` does not run and sglang's own deadline stays in
+    force, as in a sglang whose queue never took the one bound (``bound_rank`` makes both queues,
+    hook included)."""
     from sglang.srt.disaggregation.decode import DecodeTransferQueue
     from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
-    from sglang.srt.environ import envs
+    from sglang.srt.runtime_context import get_parallel
 
-    queue = object.__new__(DecodeTransferQueue)
+    get_parallel().override_permanently(attn_tp_group=SimpleNamespace(cpu_group=group))
     scheduler = SimpleNamespace(
         enable_decode_hicache=False, spec_algorithm=None, kv_checksum_computer=None,
-        metrics_reporter=SimpleNamespace(enable_metrics=False),
+        metrics_reporter=SimpleNamespace(enable_metrics=False), disagg_decode_prealloc_queue=None,
         output_streamer=SimpleNamespace(stream_output=lambda reqs, logprob: None))
-    queue.__dict__.update(
-        queue=[], gloo_group=group, req_to_metadata_buffer_idx_allocator=ReqToMetadataIdxAllocator(8),
-        tp_rank=0, metadata_buffers=metadata, scheduler=scheduler, enable_host_receive=False,
-        tree_cache=SimpleNamespace(unlock=lambda lock: None), spec_algorithm=None,
-        _skipped_checksum_signatures=set(), enable_staging=False, staging_handler=None,
-        enable_deferred_kv_release=envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get(),
-        deferred_kv_release_timeout=envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get(),
-        _deferred_releases=[])
+    queue = DecodeTransferQueue(req_to_metadata_buffer_idx_allocator=ReqToMetadataIdxAllocator(8),
+                                metadata_buffers=metadata, scheduler=scheduler,
+                                tree_cache=SimpleNamespace(unlock=lambda lock: None))
+    assert queue.gloo_group is group and queue.enable_staging is False
 
     def release_request(decode_req) -> None:  # stands in for sglang's (radix tree) release
         released.append({"at": time.monotonic(), "fence": decode_req.kv_receiver.can_release()})

@@ -17,8 +17,11 @@ transfer queue over dsa-bridge's manager) that aborts the request while that wri
 - and when the prefill is lost mid-write (its process killed by decode, in a process pair of its
   own): the request fails once decode finds the prefill silent, the pages held until it is
   proven gone, then released with nothing more landed, the new owner's bytes intact;
-- sglang's deadline shorter than the write: sglang releases the pages anyway; the release is
-  counted (``forced_releases``) and logged, and the request leaves the node once its fence lifts;
+- sglang's deadline shorter than the write, in a sglang whose transfer queue never took the one
+  bound (``release_rank`` makes it by its own ``__init__`` without the prefill-allocation queue
+  whose hook raises it; ``test_sglang_release_bound.py`` has the queues with it): sglang releases
+  the pages anyway; the release is counted (``forced_releases``) and logged with the deadline in
+  force, and the request leaves the node once its fence lifts;
 - deferral turned off: said once at start-up, the release at once counted as forced;
 - the checksum flag: checksums computed by prefill and verified by decode, equal in number; a
   byte flipped on the way fails the request, aborted by sglang with its own words (500).
@@ -165,7 +168,7 @@ def test_a_release_forced_by_sglangs_deadline_is_counted_and_the_receiver_leaves
     assert not decode["new_owner_intact"]  # what forcing gives up: the late write landed in them
     assert decode["forced_releases"] == 1
     (warning,) = decode["forced_warnings"]
-    assert "deferred-release deadline" in warning and "TIMEOUT=0.3s" in warning
+    assert "at sglang's deferred-release deadline of 0.3s (" in warning and "TIMEOUT=0.3s)" in warning
     assert decode["unreleased_after_release"] == 1 and decode["in_node_after_release"]
     assert decode["unreleased_at_end"] == 0 and not decode["in_node_at_end"]  # once the fence lifted
 

@@ -6,7 +6,10 @@ first message queued since the loop's last flush writes to the pipe, the others 
 along). The loop sends what is queued, decodes what arrives (a malformed message is counted and
 dropped, never fatal), and calls the node's ``on_tick`` every ``poll_ms`` for heartbeats,
 deadlines and engine progress: on its schedule, not after every message, so that a burst of
-messages does not run the node's whole tick once per message.
+messages does not run the node's whole tick once per message. ``on_round``, where given, runs
+after every round (a wake-up, messages, or a tick's time): the work another thread hands back to
+the loop's thread (decode's messages held behind staged slices) runs as soon as that thread's
+``send`` wakes the loop.
 
 The work between two ticks is bounded, so that no peer can starve the tick: each round takes at
 most ``batch`` messages, one socket after another (a ROUTER socket fair-queues its own peers), and
@@ -70,12 +73,14 @@ class ControlLoop:
     """Runs ``on_message`` for each decoded message and ``on_tick`` periodically, in one thread."""
 
     def __init__(self, name: str, on_message: OnMessage, on_tick: Callable[[float], None],
-                 poll_ms: int = 2, *, batch: int = BATCH, budget_s: float = BUDGET_S):
+                 poll_ms: int = 2, *, batch: int = BATCH, budget_s: float = BUDGET_S,
+                 on_round: Callable[[float], None] | None = None):
         if batch < 1 or budget_s <= 0:
             raise ValueError(f"batch must be >= 1 and budget_s > 0, got {batch} and {budget_s}")
         self.name = name
         self._on_message = on_message
         self._on_tick = on_tick
+        self._on_round = on_round
         self._poll_ms = poll_ms
         self._batch = batch
         self._budget_s = budget_s
@@ -91,7 +96,6 @@ class ControlLoop:
         self._window_start = 0.0
         self._logged = 0  # dropped messages logged one by one in this window
         self._suppressed = 0  # ...and not logged
-        self._drop_lock = threading.Lock()  # the four fields above: ``dropped`` from any thread
         self._wake_lock = threading.Lock()
         self._wake_r = self._wake_w = -1  # the wake-up pipe, open while the loop runs
         self._wake_pending = False  # a send has woken the loop since its last flush
@@ -170,17 +174,25 @@ class ControlLoop:
             frames = sock.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return False
-        identity = frames[0] if sock.type == zmq.ROUTER else b""
-        try:
-            if len(frames) != (2 if sock.type == zmq.ROUTER else 1):
-                raise ProtocolError(f"expected one payload frame, got {len(frames)} frames")
-            message = protocol.decode(frames[-1], self._limits[sock])
-            self._on_message(sock, identity, message)
-        except ProtocolError as exc:
-            self.dropped(str(exc))
-        except Exception as exc:  # a handler bug must not take the node down
-            self.dropped(f"{type(exc).__name__}: {exc}", bug=True)
+        self.handle(self._decode_and_handle, sock, frames)
         return True
+
+    def _decode_and_handle(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        if len(frames) != (2 if sock.type == zmq.ROUTER else 1):
+            raise ProtocolError(f"expected one payload frame, got {len(frames)} frames")
+        message = protocol.decode(frames[-1], self._limits[sock])
+        self._on_message(sock, frames[0] if sock.type == zmq.ROUTER else b"", message)
+
+    def handle(self, handler: Callable[..., None], *args: object) -> None:
+        """``handler(*args)``, the handling of a message, on the loop's thread: a ProtocolError
+        it raises, or a bug, is counted and logged as a dropped message, never raised (a message
+        the node held and handles later, decode's behind its staged slices, as well)."""
+        try:
+            handler(*args)
+        except ProtocolError as exc:
+            self._dropped(str(exc))
+        except Exception as exc:  # a handler bug must not take the node down
+            self._dropped(f"{type(exc).__name__}: {exc}", bug=True)
 
     def _receive(self, ready: list[zmq.Socket]) -> bool:
         """One round: up to ``batch`` messages, the ready sockets in turn, within the budget;
@@ -202,17 +214,15 @@ class ControlLoop:
                     return True
         return False
 
-    def dropped(self, error: str, *, bug: bool = False) -> None:
+    def _dropped(self, error: str, *, bug: bool = False) -> None:
         """Count a message dropped as malformed or out of place (``bad_messages``) and log it
-        within the burst; called by the control thread, or by a thread that handles messages the
-        control thread deferred to it (decode's scatter thread), so under a lock of its own."""
-        with self._drop_lock:
-            self.bad_messages += 1
-            self.last_error = error
-            if self._logged >= LOG_BURST:
-                self._suppressed += 1
-                return
-            self._logged += 1
+        within the burst."""
+        self.bad_messages += 1
+        self.last_error = error
+        if self._logged >= LOG_BURST:
+            self._suppressed += 1
+            return
+        self._logged += 1
         if bug:
             log.exception("%s: handling a message failed", self.name)
         else:
@@ -222,9 +232,8 @@ class ControlLoop:
         """Every LOG_WINDOW_S (and on stop): summarise the drops not logged one by one."""
         if not final and now - self._window_start < LOG_WINDOW_S:
             return
-        with self._drop_lock:
-            suppressed, last, start = self._suppressed, self.last_error, self._window_start
-            self._window_start, self._logged, self._suppressed = now, 0, 0
+        suppressed, last, start = self._suppressed, self.last_error, self._window_start
+        self._window_start, self._logged, self._suppressed = now, 0, 0
         if suppressed:
             log.warning("%s: dropped %d more messages in %.1fs, not logged one by one; last: %s",
                         self.name, suppressed, now - start, last)
@@ -243,6 +252,11 @@ class ControlLoop:
                 self._drain_wakes()
             cut = self._receive([sock for sock in self._sockets if sock in events])
             now = time.monotonic()
+            if self._on_round is not None:
+                try:
+                    self._on_round(now)
+                except Exception:  # a bug in a round must not stop the loop
+                    log.exception("%s: round failed", self.name)
             if not cut and now < next_tick:
                 continue
             self.max_tick_gap_s = max(self.max_tick_gap_s, now - last_tick)

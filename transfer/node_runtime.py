@@ -35,7 +35,8 @@ class NodeRuntime:
 
     def __init__(self, name: str, backend: TransferBackend, regions: list[BufferDescriptor],
                  counters: Counters, *, on_message: OnMessage, on_tick: Callable[[float], None],
-                 heartbeat_s: float, peer_timeout_s: float):
+                 heartbeat_s: float, peer_timeout_s: float,
+                 on_round: Callable[[float], None] | None = None):
         self.name = name
         self.backend = backend
         self.counters = counters
@@ -49,7 +50,7 @@ class NodeRuntime:
             self.closed = True
             backend.close()
             raise
-        self.loop = ControlLoop(name, on_message, self._tick, backend.tick_ms)
+        self.loop = ControlLoop(name, on_message, self._tick, backend.tick_ms, on_round=on_round)
 
     def socket(self, kind: int, receive_limit: int) -> zmq.Socket:
         """A socket of ``kind`` on the runtime's context: no linger, messages larger than

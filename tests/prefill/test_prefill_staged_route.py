@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -323,37 +322,45 @@ def test_auto_times_each_route_then_weighs_them(nodes):
     assert all(v > 0 for v in costs.per_byte(16, 2 * LAYOUT_PAGE_BYTES).values())
 
 
-def test_a_message_dropped_behind_a_slice_is_counted_as_the_control_thread_counts_it():
-    """A report that waited behind a staged slice and is then refused on the scatter thread (a
-    room decode no longer knows) counts as a dropped message, as it would on the control thread."""
-    dropped: list[tuple[str, bool]] = []
-    lock = threading.Lock()
-    scatter = SliceScatter(make_pool(), "decode-test", lock, peers=1, send=lambda *_: None,
-                           dropped=lambda error, bug=False: dropped.append((error, bug)),
-                           staging_bytes=0)
-    peer = SimpleNamespace(endpoint="127.0.0.1:1")
-    gate, unknown = threading.Event(), protocol.ChunkDone(7, 0, ok=True, last=True)
+def test_messages_behind_a_slice_wait_for_it_and_run_on_the_control_thread(nodes, monkeypatch):
+    """A chunk report that arrives while a slice before it is being scattered waits for that
+    scatter, then is handled on decode's control thread, never on the scatter thread; one refused
+    there (a room decode does not know) is counted as the control loop counts its own."""
+    prefill, decode, _, _ = nodes()
+    entered, gate, threads = threading.Event(), threading.Event(), []
+    real_scatter, real_chunk = SliceScatter._scatter, decode._on_chunk_locked
 
-    def first(peer, message, now):  # the slice ahead: holds the queue until the gate opens
-        gate.wait(10)
+    def gated(self, peer, receiver, written):
+        entered.set()
+        gate.wait(20)
+        return real_scatter(self, peer, receiver, written)
 
-    def refuse(peer, message, now):
-        raise protocol.ProtocolError(f"chunk report for unknown room {message.room}")
+    def chunk(peer, done, now):
+        threads.append(threading.current_thread().name)
+        real_chunk(peer, done, now)
 
-    def crash(peer, message, now):
-        raise KeyError("a handler bug")
-
+    monkeypatch.setattr(SliceScatter, "_scatter", gated)
+    monkeypatch.setattr(decode, "_on_chunk_locked", chunk)
+    src, dst = np.arange(1, 5), np.arange(3, 7)
+    fill_request(prefill.pool, 1, src)
+    receiver = decode.receiver(1)
+    receiver.init(dst, num_tokens=dst.size * 64)
+    sender = prefill.sender(1)
+    sender.init(src.size)
     try:
-        with lock:
-            scatter._queue_locked((peer, first, None))
-            scatter.in_order_locked(refuse, peer, unknown, 0.0)  # a slice waits: deferred
-            scatter.in_order_locked(crash, peer, unknown, 0.0)
-        assert not dropped
-        gate.set()
-        wait_for(lambda: len(dropped) == 2, 10, "both deferred messages counted",
-                 detail=lambda: f"{dropped}")
-        assert dropped[0] == ("from prefill 127.0.0.1:1: chunk report for unknown room 7", False)
-        assert dropped[1][1] is True and "KeyError" in dropped[1][0], dropped
+        sender.send(src)
+        assert entered.wait(20), "no slice reached the scatter"
+        peer = next(iter(prefill._sessions.peers.values()))
+        prefill._loop.send(prefill._socket, protocol.ChunkDone(12345, 0, ok=True, last=True),
+                           peer.identity)
+        wait_for(lambda: decode._scatter.holding, 10, "the unknown room's report held")
+        assert decode._loop.bad_messages == 0 and receiver.poll() != KVPoll.Success
     finally:
         gate.set()
-        scatter.close()
+    wait_for(lambda: decode._loop.bad_messages == 1, 20, "the held report refused and counted",
+             detail=lambda: f"bad={decode._loop.bad_messages} error={decode._loop.last_error!r}")
+    assert "unknown room 12345" in decode._loop.last_error
+    wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), 20, "request end")
+    assert receiver.poll() == KVPoll.Success, receiver.failure_exception()
+    assert count_mismatches(decode.pool, 1, dst) == 0
+    assert threads and all(name.endswith("-control") for name in threads), threads

@@ -293,3 +293,32 @@ def test_bad_settings_are_refused():
         ControlLoop("t", Recorder().on_message, lambda now: None, batch=0)
     with pytest.raises(ValueError, match="max_bytes must be positive"):
         limit_receive(None, 0)
+
+
+def test_work_another_thread_hands_back_runs_on_the_loop_thread_at_its_wake_up(context):
+    """``on_round`` runs on the loop's thread after every round, so that work another thread
+    hands back (decode's messages held behind staged slices) runs as soon as that thread's send
+    wakes the loop, not at the next tick; a round that raises does not stop the loop."""
+    rounds, failed_once = [], threading.Event()
+
+    def on_round(now: float) -> None:
+        rounds.append(threading.current_thread().name)
+        if not failed_once.is_set():
+            failed_once.set()
+            raise KeyError("a bug in a round")
+
+    loop = ControlLoop("t", lambda *a: None, lambda now: None, poll_ms=60_000, on_round=on_round)
+    pair = Pair(context)
+    loop.start()
+    try:
+        wait_for(lambda: failed_once.is_set(), 10, "the first round ran")
+        time.sleep(0.2)  # the loop now sleeps until its next tick, a minute away
+        before = len(rounds)
+        sent = time.monotonic()
+        threading.Thread(target=loop.send, args=(pair.push, protocol.Heartbeat(1.0))).start()
+        wait_for(lambda: len(rounds) > before, 10, "a round after the wake-up")
+        assert time.monotonic() - sent < 5, "the round waited for a tick"
+        assert set(rounds) == {"t-control"}, rounds
+    finally:
+        loop.stop()
+        pair.close()

@@ -28,8 +28,10 @@ request's pages (the staged route; ``staging_bytes=0``: none offered, every chun
 
 The node coordinates; its control thread routes what arrives and runs the tick:
 
-- a staged slice goes to the scatter thread (``SliceScatter.slice_written_locked``); the other
-  messages keep their order behind the slices queued before them (``in_order_locked``);
+- a staged slice goes to the scatter thread (``SliceScatter.slice_written_locked``); a chunk
+  report or a re-handshake's answer keeps its order behind the slices queued before them
+  (``SliceScatter.hold_locked``) and is handled here, on the control thread, once they are
+  through (``_release_held``, run after every round of the control loop);
 - a chunk report goes to its request (``KVReceiver.chunk_reported_locked``); with ``checksums`` on,
   a counted chunk then goes, with its pages, to the verifier thread (``verify.ChunkVerifier``),
   which hands its outcome forward to the request (``KVReceiver.chunk_verified``); without, a
@@ -107,15 +109,15 @@ class DecodeNode:
                                check_kv_on_index_pages(self.layout, kv_on_index_pages))
         endpoints = [prefill] if isinstance(prefill, str) else list(prefill)
         self._scatter = SliceScatter(pool, self.name, self._lock, peers=len(endpoints),
-                                     send=self._send,
-                                     dropped=lambda *a, **kw: self._loop.dropped(*a, **kw),
-                                     staging_bytes=staging_bytes, slice_bytes=slice_bytes)
+                                     send=self._send, staging_bytes=staging_bytes,
+                                     slice_bytes=slice_bytes)
         self.counters.add(staging_bytes=self._scatter.nbytes)
         try:
             regions = self.buffers + self.aux_buffers + self._scatter.regions()
             self._runtime = NodeRuntime(self.name, backend, regions, self.counters,
                                         on_message=self._on_message, on_tick=self._on_tick,
-                                        heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s)
+                                        on_round=self._release_held, heartbeat_s=heartbeat_s,
+                                        peer_timeout_s=peer_timeout_s)
         except BaseException:
             self._scatter.close()
             raise
@@ -205,8 +207,7 @@ class DecodeNode:
             return len(self._receivers)
 
     def held_pages(self) -> int:
-        """Pages of failed requests that may not go back to the allocator yet (invariant 8),
-        quarantined ones included."""
+        """Failed requests' pages that may not go back to the allocator yet (quarantined too)."""
         now = time.monotonic()
         with self._lock:
             return sum(r.page_ids.size for r in self._receivers.values()
@@ -220,8 +221,7 @@ class DecodeNode:
                        if r.page_ids is not None and r.fence.quarantined)
 
     def close(self) -> None:
-        """Let the verifier finish what is queued, then close the runtime: loop, sockets,
-        engine. Idempotent."""
+        """Let the scatter and verifier finish what is queued, close loop, sockets, engine; once."""
         if self._runtime.closed:
             return
         self._scatter.close()
@@ -245,10 +245,11 @@ class DecodeNode:
             peer.last_seen = now
             if isinstance(message, protocol.SliceWritten):
                 self._scatter.slice_written_locked(peer, self._receivers.get(message.room), message)
-            elif isinstance(message, protocol.ChunkDone):  # each behind the slices before it
-                self._scatter.in_order_locked(self._on_chunk_locked, peer, message, now)
-            elif isinstance(message, protocol.HelloAck):
-                self._scatter.in_order_locked(self._on_ack_locked, peer, message, now)
+            elif isinstance(message, (protocol.ChunkDone, protocol.HelloAck)):
+                handler = self._on_chunk_locked if isinstance(message, protocol.ChunkDone) \
+                    else self._on_ack_locked
+                if not self._scatter.hold_locked((handler, peer, message)):  # behind the slices
+                    handler(peer, message, now)
             elif isinstance(message, protocol.PrefillReady):  # a receiver gone meanwhile: ignored
                 receiver = self._receivers.get(message.room)
                 if receiver is not None and peer in receiver.peers:
@@ -258,6 +259,13 @@ class DecodeNode:
 
     def _send(self, sock: zmq.Socket, message: protocol.Message) -> None:
         self._loop.send(sock, message)
+
+    def _release_held(self, now: float) -> None:
+        """Handle the messages held behind staged slices now through, in order (``_on_message``)."""
+        if self._scatter.holding:
+            with self._lock:
+                for handler, peer, message in self._scatter.release_locked():
+                    self._loop.handle(handler, peer, message, now)
 
     def _on_chunk_locked(self, peer: PrefillPeer, done: protocol.ChunkDone, now: float) -> None:
         """A chunk report goes to its request; a counted one then to the verifier, which hands
@@ -273,9 +281,8 @@ class DecodeNode:
             receiver.part_done_locked(peer, now)
 
     def _on_ack_locked(self, peer: PrefillPeer, ack: protocol.HelloAck, now: float) -> None:
-        """A prefill answered a re-handshake: it is back, and (it answers only once none of the
-        old epochs' writes can still run) every room quarantined on it is free, but the rooms it
-        names as possibly still written by a failed engine write."""
+        """A prefill answered a re-handshake (only once none of its old epochs' writes can run):
+        every room quarantined on it is free, but those a failed engine write may still reach."""
         if self._handshaker.answered(peer, ack, now):
             self._peer_gone_locked(peer, now, set(ack.in_flight))
 
@@ -300,8 +307,7 @@ class DecodeNode:
     # ---- peers' liveness (control thread) --------------------------------------------------
 
     def _peer_dead_locked(self, peer: PrefillPeer, now: float) -> None:
-        """``peer`` went silent: every request it may still write into is quarantined (its
-        pages held until the peer is proven gone), the running ones fail."""
+        """``peer`` went silent: the requests it may write into are quarantined, running ones fail."""
         peer.session.dead(now)
         log.warning("%s: prefill %s silent for %.1fs", self.name, peer.endpoint, now - peer.last_seen)
         reason = (f"prefill {peer.endpoint} unreachable (no heartbeat for "

@@ -15,10 +15,10 @@ is freed all the same.
 
 While a scatter into a request's pages may run, the request counts it (``KVReceiver.scatters``)
 and its pages are not released. The node's other messages keep their order behind the slices
-(``in_order_locked``): handled at once when no slice waits, else queued and handled by the scatter
-thread (with the node's lock) once the slices before them are scattered. A staged chunk's report
-thus counts, and its checksums are verified, over the pages as the scatter left them; a message
-dropped there is counted as the control thread counts its own (``ControlLoop.dropped``).
+(``hold_locked``, ``behind_slices.BehindSlices``): the scatter thread only says when a slice is
+through, and the control thread handles what that releases (``release_locked``), woken by the
+slice's ``SliceFree``. A staged chunk's report thus counts, and its checksums are verified, over
+the pages as the scatter left them; the scatter thread never runs the node's handlers.
 """
 
 from __future__ import annotations
@@ -37,13 +37,12 @@ from ..plan import buffer_order
 from ..request import TERMINAL
 from ..slices import device_pages, scatter, staging_for
 from ..staging import slice_offsets, split_area, staging_size
+from .behind_slices import BehindSlices
 from .job_thread import JobThread
 from .receiver import KVReceiver
 from .sessions import PrefillPeer
 
 log = logging.getLogger(__name__)
-
-Handler = Callable[[PrefillPeer, protocol.Message, float], None]  # called with the node's lock
 
 
 class SliceScatter:
@@ -51,7 +50,6 @@ class SliceScatter:
 
     def __init__(self, pool, name: str, lock: threading.Lock, *, peers: int,
                  send: Callable[[zmq.Socket, protocol.Message], None],
-                 dropped: Callable[..., None],
                  staging_bytes: int | None = None, slice_bytes: int | None = None):
         pool_bytes = sum(b.nbytes for b in pool.buffer_descriptors())
         self.nbytes, self.slice_bytes = staging_size(staging_for(pool, staging_bytes), pool_bytes,
@@ -59,8 +57,7 @@ class SliceScatter:
         self._pool = pool
         self._lock = lock
         self._send = send
-        self._dropped = dropped  # counts a deferred message dropped, as the control loop does
-        self._pending = 0  # jobs queued or running (node's lock)
+        self._order = BehindSlices()  # node's lock
         self._views = {(d.layer_id, d.kind): pool.page_view(d.layer_id, d.kind)
                        for d in pool.buffer_descriptors()} if self.nbytes else {}
         self._area = torch.empty(self.nbytes, dtype=torch.uint8, device=pool.device) \
@@ -104,16 +101,24 @@ class SliceScatter:
         receiver.scatters += 1
         self._queue_locked((peer, receiver, written))
 
-    def in_order_locked(self, handler: Handler, peer: PrefillPeer, message: protocol.Message,
-                        now: float) -> None:
-        """``handler(peer, message, now)`` now if no slice waits, else once they are scattered."""
-        if self._pending:
-            self._queue_locked((peer, handler, message))
-        else:
-            handler(peer, message, now)
+    def hold_locked(self, message: object) -> bool:
+        """True when ``message`` (a message, with what the node needs to handle it) must wait
+        behind the slices queued before it: it is held until ``release_locked``. False: handle it
+        now."""
+        return self._order.hold(message)
+
+    def release_locked(self) -> list:
+        """The held messages that may be handled now, in the order they arrived."""
+        return self._order.release()
+
+    @property
+    def holding(self) -> bool:
+        """Messages are held (read by the control thread, the only one that holds or releases
+        them, so without the lock)."""
+        return self._order.held > 0
 
     def _queue_locked(self, job: tuple) -> None:
-        self._pending += 1
+        self._order.slice_queued()
         self._thread.put(job)
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -122,31 +127,21 @@ class SliceScatter:
     # ---- the scatter thread -----------------------------------------------------------------
 
     def _handle(self, job: tuple) -> None:
-        peer, receiver, message = job
+        """Scatter a slice (unless its request is gone), hand the outcome forward to the request
+        (``KVReceiver.slice_scattered_locked``: a failed scatter fails it), then free the slice:
+        its ``SliceFree`` also wakes the control thread for the messages it releases."""
+        peer, receiver, written = job
         try:
-            if isinstance(message, protocol.SliceWritten):
-                self._slice(peer, receiver, message)
-            else:
+            if receiver is not None:
+                problem = self._scatter(peer, receiver, written)
                 with self._lock:
-                    receiver(peer, message, time.monotonic())  # a deferred handler
-        except protocol.ProtocolError as exc:
-            self._dropped(f"from prefill {peer.endpoint}: {exc}")
-        except Exception as exc:  # a bug must not stop the thread
-            self._dropped(f"a {type(message).__name__} from prefill {peer.endpoint}: "
-                          f"{type(exc).__name__}: {exc}", bug=True)
+                    receiver.slice_scattered_locked(problem, time.monotonic())
+        except Exception:  # a bug must not stop the thread, nor keep the slice
+            log.exception("room %d: handing a scattered slice on failed", written.room)
         finally:
             with self._lock:
-                self._pending -= 1
-
-    def _slice(self, peer: PrefillPeer, receiver: KVReceiver | None,
-               written: protocol.SliceWritten) -> None:
-        """Scatter a slice (unless its request is gone), hand the outcome forward to the request
-        (``KVReceiver.slice_scattered_locked``: a failed scatter fails it), then free the slice."""
-        if receiver is not None:
-            problem = self._scatter(peer, receiver, written)
-            with self._lock:
-                receiver.slice_scattered_locked(problem, time.monotonic())
-        self._send(peer.socket, protocol.SliceFree([written.slice]))
+                self._order.slice_through()
+            self._send(peer.socket, protocol.SliceFree([written.slice]))
 
     def _scatter(self, peer: PrefillPeer, receiver: KVReceiver,
                  written: protocol.SliceWritten) -> str:

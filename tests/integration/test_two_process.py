@@ -41,7 +41,7 @@ def decode_pool(layout=DEEPSEEK, tokens=POOL_TOKENS):
 @pytest.fixture(scope="module")
 def prefill(backend, tmp_path_factory):
     node = PrefillProcess(tmp_path_factory.mktemp("prefill"), backend, "--pool-tokens",
-                          str(POOL_TOKENS), "--peer-timeout", "2", "--chunk-pages", "16")
+                          str(POOL_TOKENS), "--peer-timeout", "10", "--chunk-pages", "16")
     yield node
     node.stop()
 
@@ -49,7 +49,7 @@ def prefill(backend, tmp_path_factory):
 @pytest.fixture(scope="module")
 def decode(backend, prefill):
     node = DecodeNode(decode_pool(), create_backend(backend), prefill.endpoint,
-                      peer_timeout_s=3.0, request_timeout_s=60.0)
+                      peer_timeout_s=10.0, request_timeout_s=60.0)
     yield node
     node.close()
 

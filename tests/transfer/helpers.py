@@ -60,9 +60,15 @@ def ended(*handles):
     wait_for(lambda: all(h.poll() in TERMINAL for h in handles), 20, "the request's end")
 
 
+# Long enough that a loaded machine (CI with a CPU burner, load 20) never makes a live node look
+# silent: these nodes share one process and its GIL. Tests of liveness set their own.
+PEER_TIMEOUT_S = 6.0
+
+
 def prefill_node(engine, made, aux=None, *, request_timeout_s=60.0):
     """A prefill node over the real engine ``engine``, checksums on, closed by ``made``."""
-    node = PrefillNode(make_pool(), create_backend(engine), peer_timeout_s=2.0, heartbeat_s=0.1,
+    node = PrefillNode(make_pool(), create_backend(engine), peer_timeout_s=PEER_TIMEOUT_S,
+                       heartbeat_s=0.1,
                        checksums=True, aux_buffers=infos(aux or []),
                        request_timeout_s=request_timeout_s)
     made.append(node)
@@ -73,7 +79,7 @@ def decode_node(engine, made, prefills, aux=None, *, request_timeout_s=60.0):
     """A decode node of the ``prefills`` over the real engine ``engine``, its pages at the
     sentinel, checksums on, closed by ``made``."""
     node = DecodeNode(make_pool(size=64 * 24, sentinel=True), create_backend(engine),
-                      [p.endpoint for p in prefills], peer_timeout_s=2.0, heartbeat_s=0.1,
+                      [p.endpoint for p in prefills], peer_timeout_s=PEER_TIMEOUT_S, heartbeat_s=0.1,
                       checksums=True, aux_buffers=infos(aux or []),
                       request_timeout_s=request_timeout_s)
     made.append(node)

@@ -18,18 +18,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .metadata import BridgeMetadata
-from .options import BridgeOptions
+from .options import BridgeOptions, tp_position
 from .scheduler import BridgeScheduler
 from .worker import BridgeWorker
 
 
-def _tp_rank() -> int:
+def _parallel_state() -> tuple[int, int] | None:
+    """This worker's (TP rank, TP world size) in vLLM's parallel state, which vLLM's executor
+    initialises in each of its workers; None where it was not (a worker built outside one)."""
     from vllm.distributed.parallel_state import (
         get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
         model_parallel_is_initialized,
     )
 
-    return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0
+    if not model_parallel_is_initialized():
+        return None
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
 class DSABridgeConnector(KVConnectorBase_V1):
@@ -58,9 +63,10 @@ class DSABridgeConnector(KVConnectorBase_V1):
         if not geometry["kv_lora_rank"] or not geometry["rope_dim"]:
             raise ValueError(f"model {vllm_config.model_config.model!r} has no MLA cache "
                              "(kv_lora_rank, qk_rope_head_dim): dsa-bridge moves MLA/DSA caches")
+        tp_rank, tp_size = tp_position(_parallel_state(), tp_size)
         self._worker = BridgeWorker(self.options, producer=config.is_kv_producer,
                                     consumer=config.is_kv_consumer, geometry=geometry,
-                                    tp_rank=_tp_rank(), tp_size=tp_size)
+                                    tp_rank=tp_rank, tp_size=tp_size)
 
     @property
     def bridge(self) -> BridgeWorker | None:

@@ -1,6 +1,6 @@
 """What the connector reads, pure: its extra config (``BridgeOptions``), a prefill's answer in a
-request's ``kv_transfer_params`` (``PrefillAnswer``) and which prefill ranks a decode rank reads
-from (``SourceRanks``).
+request's ``kv_transfer_params`` (``PrefillAnswer``), a worker's TP rank (``tp_position``) and
+which prefill ranks a decode rank reads from (``SourceRanks``).
 
 Every bad value is refused with one line naming the key; nothing here touches a socket, a thread
 or a clock.
@@ -149,6 +149,19 @@ class SourceRanks:
         group = prefill_size // decode_size
         first = decode_rank * group
         return SourceRanks(first, tuple(range(first + 1, first + group)), 1)
+
+
+def tp_position(state: tuple[int, int] | None, configured_size: int) -> tuple[int, int]:
+    """This worker's (TP rank, TP size): vLLM's parallel state where it is initialised (each of
+    the executor's workers, its own rank), else rank 0 of the configured
+    ``tensor_parallel_size``. ValueError where the two disagree."""
+    if state is None:
+        return 0, configured_size
+    rank, size = state
+    if size != configured_size or not 0 <= rank < size:
+        raise ValueError(f"vLLM's parallel state makes this worker TP rank {rank} of {size}, but "
+                         f"its config has tensor_parallel_size {configured_size}")
+    return rank, size
 
 
 def pages_of(num_tokens: int, page_size: int) -> int:

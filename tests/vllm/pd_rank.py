@@ -176,7 +176,7 @@ def main() -> int:
         bridge_worker.create_backend = _faulty_backend
     rank, size = map(int, args.tp.split("/"))
     if size > 1:  # one worker of a TP group, as vLLM's parallel state would name it
-        bridge_connector._tp_rank = lambda: rank
+        bridge_connector._parallel_state = lambda: (rank, size)
         config_of = harness.vllm_config
 
         def tp_config(*a, **kw):

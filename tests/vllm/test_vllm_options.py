@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from dsa_bridge.plugin.vllm.caches import VllmCaches, caches_layout, layer_of
-from dsa_bridge.plugin.vllm.options import BridgeOptions, PrefillAnswer, SourceRanks
+from dsa_bridge.plugin.vllm.options import (
+    BridgeOptions,
+    PrefillAnswer,
+    SourceRanks,
+    tp_position,
+)
 
 GEOMETRY = dict(page_size=64, kv_lora_rank=512, rope_dim=64, index_head_dim=128)
 
@@ -63,6 +68,17 @@ def test_one_source_rank_per_decode_rank(rank, decode, prefill, want):
 def test_tp_widths_that_do_not_divide_are_refused():
     with pytest.raises(ValueError, match="prefill 3, decode 2"):
         SourceRanks.of(0, 2, 3)
+
+
+def test_the_tp_rank_comes_from_vllms_parallel_state_where_it_is_initialised():
+    assert tp_position((1, 2), 2) == (1, 2)  # worker 1 of vLLM's executor
+    assert tp_position((0, 1), 1) == (0, 1)
+    assert tp_position(None, 1) == (0, 1)  # no parallel state: rank 0 of the configured size
+    assert tp_position(None, 4) == (0, 4)
+    for state, size in (((0, 1), 2), ((1, 2), 4), ((2, 2), 2), ((-1, 2), 2)):
+        with pytest.raises(ValueError, match=f"TP rank {state[0]} of {state[1]}, but its config "
+                                             f"has tensor_parallel_size {size}$"):
+            tp_position(state, size)
 
 
 def test_vllm_caches_become_descriptors_by_global_layer_id():

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 SENTINEL = 0xA5
-REPLY_TIMEOUT_S = 30.0
+REPLY_TIMEOUT_S = 90.0  # a spawn imports torch and an engine: 30 s was too short at load 25
 
 
 def serve(

@@ -10,13 +10,24 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import zmq
 
 from dsa_bridge.transfer.bench import vllm as vllm_section
+from dsa_bridge.transfer.bench.channel import Driven
 from dsa_bridge.transfer.bench.command import SECTIONS
-from dsa_bridge.transfer.bench.vllm import TARGETS, VLLM_SIZES, Mode, summarize
+from dsa_bridge.transfer.bench.vllm import (
+    TARGETS,
+    VLLM_SIZES,
+    Mode,
+    Pair,
+    idle_cores,
+    process_cpu_s,
+    summarize,
+)
 
 from .conftest import VLLM_MISSING
 
@@ -84,6 +95,71 @@ def test_the_section_says_it_is_skipped_where_vllm_is_not_installed(monkeypatch,
     assert capsys.readouterr().out.strip().startswith("vllm: skipped: vllm not installed")
 
 
+def echo(connector: str, role: str) -> Driven:
+    """A stand-in instance: a process that answers ``echo``."""
+    return Driven(f"{connector} {role}", "tests.bench.echo_driven", [], start_timeout_s=60,
+                  command_timeout_s=30)
+
+
+def state_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def wait_state(pid: int, states: str) -> str:
+    deadline = time.monotonic() + 10
+    while state_of(pid) not in states and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return state_of(pid)
+
+
+def test_a_paused_pair_is_stopped_by_pid_and_answers_once_resumed():
+    """``Pair.pause``: both instances stopped (state T), no CPU while paused, answering again
+    once resumed; ``stop`` of a paused pair resumes it first, so that both quit by themselves."""
+    pair = Pair("vllm", VLLM_SIZES["tiny"], "unused", start=echo)
+    try:
+        pids = [pair.prefill.process.pid, pair.decode.process.pid]
+        pair.setup_done()  # their first answers: started
+        pair.pause(True)
+        assert [wait_state(pid, "T") for pid in pids] == ["T", "T"]
+        pair.prefill.submit("echo", value=1)
+        time.sleep(0.3)
+        with pytest.raises(zmq.Again):  # no answer while stopped
+            pair.prefill._socket.recv(zmq.NOBLOCK)
+        spent = sum(map(process_cpu_s, pids))
+        time.sleep(0.3)
+        assert sum(map(process_cpu_s, pids)) == spent
+        pair.pause(False)
+        assert pair.prefill.reply() == {"ok": True, "value": 1}
+        assert pair.decode.call("echo", value=2) == {"ok": True, "value": 2}
+        pair.pause(True)
+        assert wait_state(pids[1], "T") == "T"
+    finally:
+        pair.stop()
+    assert (pair.prefill.process.returncode, pair.decode.process.returncode) == (0, 0)
+    assert not pair.paused
+
+
+def test_idle_cores_sees_a_busy_instance_and_not_an_idle_one():
+    """``idle_cores``: a pair whose instance spins counts about a core, an idle pair about none."""
+    busy, idle = (Pair(c, VLLM_SIZES["tiny"], "unused", start=echo) for c in ("vllm", "dsa-bridge"))
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        busy.setup_done()
+        idle.setup_done()
+        busy.prefill.process, real = spinner, busy.prefill.process  # count the spinner
+        try:
+            cores = idle_cores({"vllm": busy, "dsa-bridge": idle}, seconds=1.0)
+        finally:
+            busy.prefill.process = real
+        # a spinner gets a share of the two cores even at a load of 20; the echo ones sleep
+        assert cores["vllm"] > 0.05 and cores["vllm"] > 3 * cores["dsa-bridge"], cores
+    finally:
+        spinner.kill()
+        spinner.wait(10)
+        busy.stop()
+        idle.stop()
+
+
 @pytest.mark.slow  # four vLLM instance processes
 @pytest.mark.skipif(bool(VLLM_MISSING), reason=VLLM_MISSING or "")
 def test_the_section_runs_both_connectors_byte_exact():
@@ -111,4 +187,6 @@ def test_the_section_runs_both_connectors_byte_exact():
     assert fragmented["dsa-bridge direct"]["descriptors"] == 4 * buffers  # one block per run
     assert fragmented["dsa-bridge"]["descriptors"] < 4 * buffers  # staged: one per slice
     assert len(section["waves"]) == 2 + 2 + 3  # one counted pair a mode, fragmented: 3 waves
+    assert set(section["idle_cores"]) == {"vllm", "dsa-bridge"}
+    assert all(cores >= 0 for cores in section["idle_cores"].values())
     vllm_section.print_section(section)  # the table a user reads, from the report

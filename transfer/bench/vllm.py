@@ -14,11 +14,15 @@ A wave of ``in_flight`` requests: prefill computes them (its stand-in forward fi
 of both caches with the launcher's pattern; not timed) and answers; decode adds them with the
 answers and steps vLLM until it saw the last one's load finished (``finished_recving``): the
 timed window, vLLM's own scheduling and steps included; then decode compares every page. The
-connectors' waves alternate (A B, then B A). ``ratio`` is the median over wave pairs of vLLM's
-seconds over dsa-bridge's (above 1: dsa-bridge faster). The fragmented mode reorders decode's
-free blocks so that no two blocks of a request are adjacent (one block per run) and runs
-dsa-bridge's prefill on both routes, ``ratio`` taken with its staged route (what it is for).
-``ratio_vs_raw``: dsa-bridge's direct waves against the prefill's engine writing the same
+connectors' waves alternate (A B, then B A). vLLM's own instances are paused (SIGSTOP by PID,
+``Pair.pause``) while dsa-bridge's waves run, and resumed for their own: their NIXL agents run
+NIXL's progress thread (vLLM's default), which polls without pause: idle, they took 0.7 of a
+core at a load of 25 on these two cores, dsa-bridge's 0.08 (``idle_cores``, measured by each run
+before its waves and reported); dsa-bridge's idle instances stay up. ``ratio`` is the median
+over wave pairs of vLLM's seconds over dsa-bridge's (above 1: dsa-bridge faster). The fragmented
+mode reorders decode's free blocks so that no two blocks of a request are adjacent (one block
+per run) and runs dsa-bridge's prefill on both routes, ``ratio`` taken with its staged route
+(what it is for). ``ratio_vs_raw``: dsa-bridge's direct waves against the prefill's engine writing the same
 (prefill block, decode block) pages, planned as its node plans them, in one write right after
 the wave (the core bench's raw baseline). Each mode's first waves are a warm-up: checked, not
 counted.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -117,14 +122,31 @@ def instance(connector: str, role: str) -> Driven:
                   command_timeout_s=COMMAND_TIMEOUT_S)
 
 
-class Pair:
-    """A connector's prefill and decode instances, and the waves they run."""
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user and system, every thread) process ``pid`` ran so far (Linux's /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def __init__(self, connector: str, sizes: VllmSizes, model_dir: str) -> None:
+
+def idle_cores(pairs: dict[str, Pair], seconds: float = 3.0) -> dict[str, float]:
+    """The cores each connector's two instances keep busy while no wave runs (none paused)."""
+    pids = {c: [d.process.pid for d in (p.prefill, p.decode)] for c, p in pairs.items()}
+    before = {c: sum(map(process_cpu_s, ids)) for c, ids in pids.items()}
+    time.sleep(seconds)
+    return {c: round((sum(map(process_cpu_s, ids)) - before[c]) / seconds, 3)
+            for c, ids in pids.items()}
+
+
+class Pair:
+    """A connector's prefill and decode instances (``start(connector, role)``), and the waves
+    they run."""
+
+    def __init__(self, connector: str, sizes: VllmSizes, model_dir: str, start=None) -> None:
+        start = start or instance
         self.connector = connector
-        self.prefill = instance(connector, "prefill")
+        self.prefill = start(connector, "prefill")
         try:
-            self.decode = instance(connector, "decode")
+            self.decode = start(connector, "decode")
         except BaseException:
             self.prefill.stop()
             raise
@@ -132,6 +154,17 @@ class Pair:
                            connector="nixl" if connector == "vllm" else "dsa-bridge")
         self.waves = 0
         self.peer: dict | None = None
+        self.paused = False
+
+    def pause(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or resume (SIGCONT) both instances, by PID; nothing is in flight
+        between waves."""
+        if paused == self.paused:
+            return
+        for driven in (self.prefill, self.decode):
+            if driven.process.poll() is None:
+                os.kill(driven.process.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+        self.paused = paused
 
     def submit_setup(self) -> None:
         self.prefill.submit("setup", **self.fields, port=free_port(), ports=[free_port(), free_port()])
@@ -170,6 +203,7 @@ class Pair:
         return wave
 
     def stop(self) -> None:
+        self.pause(False)  # a stopped process cannot take its quit command
         try:
             self.decode.stop()  # first: a decode node would report its prefill's end
         finally:
@@ -230,7 +264,7 @@ def run_section(size: str, progress) -> dict:
         return {"skipped": problem}
     sizes = VLLM_SIZES[size]
     started, load = time.monotonic(), os.getloadavg()
-    modes, waves, pairs = {}, [], {}
+    modes, waves, pairs, idle = {}, [], {}, {}
     with tempfile.TemporaryDirectory(prefix="dsa-bridge-bench-vllm-") as model_dir:
         write_model(model_dir, sizes.layers)
         try:
@@ -241,11 +275,14 @@ def run_section(size: str, progress) -> dict:
             for pair in pairs.values():
                 pair.setup_done()
             progress(f"vllm section: instances ready in {time.monotonic() - started:.0f} s")
+            idle = idle_cores(pairs)
             for mode in sizes.modes:
                 done = []
                 for number in range(-1, mode.waves):  # -1: the warm-up
                     runs = mode.runs() if number % 2 else mode.runs()[::-1]
-                    done += [pairs[c].wave(mode, route, number) for c, route in runs]
+                    for connector, route in runs:
+                        pairs["vllm"].pause(connector != "vllm")
+                        done.append(pairs[connector].wave(mode, route, number))
                 differ = [f"{w['connector']} {w['mode']} {w['route']}: {w['differ']}"
                           for w in done if not exact(w)]
                 if differ:
@@ -258,6 +295,7 @@ def run_section(size: str, progress) -> dict:
             for pair in pairs.values():
                 pair.stop()
     return {"layers": sizes.layers, "engine": "nixl", "vllm_nixl_on_cpu": VLLM_NIXL_ON_CPU,
+            "idle_cores": idle,
             "vllm_nixl_refusal": NIXL_REFUSAL,
             "load_average": {"start": load, "end": os.getloadavg()},
             "seconds": round(time.monotonic() - started, 1), "modes": modes, "waves": waves}
@@ -273,6 +311,8 @@ def print_section(section: dict) -> None:
           f"{section['layers']} layers, {section['seconds']:.0f} s, load average "
           f"{load['start'][0]:.1f} -> {load['end'][0]:.1f})")
     print(f"vLLM's NixlConnector on this CPU: {section['vllm_nixl_on_cpu']}")
+    print(f"Cores the idle instances kept busy: {section['idle_cores']} (vLLM's own paused "
+          "during dsa-bridge's waves)")
     print(f"{'in flight x tokens':24} {'connector':18} {'ms/req':>8} {'GB/s':>6} {'descr.':>7} "
           f"{'exact':>5}")
     for name, entry in section["modes"].items():

@@ -73,6 +73,7 @@ def test_the_fragmented_mode_takes_dsa_bridges_staged_route():
     assert entry["ratio"] == pytest.approx(1.75)  # median of 2.5 and 1.0
     assert entry["target"] == TARGETS["fragmented_ratio"] and entry["target_met"]
     assert entry["staged_vs_direct"] == pytest.approx(1.0)  # median of 1.5 and 0.5
+    assert entry["direct_ratio"] == pytest.approx((0.5 / 0.3 + 0.2 / 0.1) / 2)
     assert (entry["dsa-bridge direct"]["descriptors"], entry["dsa-bridge"]["descriptors"]) == (32, 1)
 
 

@@ -227,10 +227,15 @@ def summarize(mode: Mode, waves: list[dict]) -> dict:
                 "decode_cpu_s": sum(w["decode_cpu_s"] for w in mine),
                 "descriptors": mine[0]["descriptors"], "byte_exact": all(map(exact, mine))}
 
+    def over_pairs(numerator: list[dict], denominator: list[dict]) -> float:
+        """The median over wave pairs of one side's seconds over the other's."""
+        return statistics.median(n["seconds"] / d["seconds"]
+                                 for n, d in zip(numerator, denominator, strict=True))
+
     own, direct = rows("vllm", "pull"), rows("dsa-bridge", "direct")
     bridge = rows("dsa-bridge", "staged") if mode.fragmented else direct
     target = TARGETS["fragmented_ratio" if mode.fragmented else "ratio"]
-    ratio = statistics.median(v["seconds"] / d["seconds"] for v, d in zip(own, bridge, strict=True))
+    ratio = over_pairs(own, bridge)
     vs_raw = statistics.median(w["raw_seconds"] / w["seconds"] for w in direct)
     entry = {"in_flight": mode.in_flight, "tokens": mode.tokens, "vllm": figures(own),
              "dsa-bridge": figures(bridge), "ratio": ratio, "target": target,
@@ -240,10 +245,8 @@ def summarize(mode: Mode, waves: list[dict]) -> dict:
                                       and w["raw_bytes"] == w["nbytes"] for w in direct)}
     if mode.fragmented:
         entry["dsa-bridge direct"] = figures(direct)
-        entry["staged_vs_direct"] = statistics.median(
-            d["seconds"] / s["seconds"] for d, s in zip(direct, bridge, strict=True))
-        entry["direct_ratio"] = statistics.median(  # the route a user gets where it is faster
-            v["seconds"] / d["seconds"] for v, d in zip(own, direct, strict=True))
+        entry["staged_vs_direct"] = over_pairs(direct, bridge)
+        entry["direct_ratio"] = over_pairs(own, direct)  # the route a user gets where it is faster
     else:
         entry["raw_target_met"] = vs_raw >= TARGETS["ratio_vs_raw"]
     return entry

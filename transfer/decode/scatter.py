@@ -35,7 +35,7 @@ from ...plugin.descriptors import BufferDescriptor, raw_region
 from .. import protocol
 from ..plan import buffer_order
 from ..request import TERMINAL
-from ..slices import device_pages, scatter, staging_for
+from ..slices import page_index, scatter, staging_for
 from ..staging import slice_offsets, split_area, staging_size
 from .behind_slices import BehindSlices
 from .job_thread import JobThread
@@ -156,9 +156,9 @@ class SliceScatter:
             offsets = slice_offsets([self._views[key].shape[1] for key in keys], pages.size)
             area = peer.staging
             offsets += area.ptr - self._area.data_ptr() + written.slice * area.slice_bytes
-            index = device_pages(pages, self._area.device)
+            index = page_index(pages, self._area.device)
             for i, key in enumerate(keys):
-                scatter(self._area[offsets[i]:offsets[i + 1]], self._views[key], pages, index)
+                scatter(self._area, int(offsets[i]), self._views[key], index)
             if self._area.is_cuda:  # the slice is read before prefill may write it again
                 torch.cuda.current_stream(self._area.device).synchronize()
             return ""

@@ -45,7 +45,7 @@ from .. import protocol
 from ..backends.base import BackendError, TransferBackend
 from ..plan import PairTable, WritePlan
 from ..route_costs import RouteCosts
-from ..slices import device_pages, gather, staging_for
+from ..slices import gather, page_index, staging_for
 from ..staging import (
     DIRECT,
     STAGED,
@@ -283,11 +283,10 @@ class Stager:
         if self._views is None:
             self._views = {(d.layer_id, d.kind): self._pool.page_view(d.layer_id, d.kind)
                            for d in self._pool.buffer_descriptors()}
-        index = device_pages(pages, self._area.device)
+        index = page_index(pages, self._area.device)
         offsets = slice_offsets(pairs.item_len, pages.size) + local * self.slice_bytes
         for i, pair in enumerate(pairs):
-            gather(self._views[pair.src.layer_id, pair.src.kind], pages,
-                   self._area[offsets[i]:offsets[i + 1]], index)
+            gather(self._views[pair.src.layer_id, pair.src.kind], index, self._area, int(offsets[i]))
         if self._area.is_cuda:  # the engine reads the slice once the gather has run
             torch.cuda.current_stream(self._area.device).synchronize()
         values = sums.of_slice(self._area, offsets, pages.size) if sums is not None else None

@@ -1,0 +1,100 @@
+"""The staged route's copies (``transfer/slices.py``): runs of pages, byte-exact gathers and
+scatters over rows adjacent or strided, and the CPU copy holding the GIL throughout (a host
+engine's busy Python loop would otherwise hold each copy up to its switch interval)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsa_bridge.transfer.slices import gather, page_index, page_runs, scatter
+
+page_lists = st.lists(st.integers(0, 39), min_size=1, max_size=40, unique=True).map(np.array)
+
+
+@given(page_lists)
+def test_runs_cover_the_pages_in_order_each_run_as_long_as_it_can_be(pages):
+    runs = page_runs(pages)
+    expanded = np.concatenate([np.arange(first, first + n) for _, first, n in runs])
+    assert expanded.tolist() == pages.tolist()
+    assert runs[:, 0].tolist() == np.cumsum([0, *runs[:-1, 2]]).tolist()  # slice rows in order
+    ends = runs[:-1, 1] + runs[:-1, 2]
+    assert not np.any(ends == runs[1:, 1]), f"two runs could have been one: {runs.tolist()}"
+
+
+def _rows(width: int, padding: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (40, width) uint8 view of random bytes, its rows ``width + padding`` apart."""
+    base = torch.randint(0, 256, (40, width + padding), dtype=torch.uint8)
+    return base, base[:, :width]
+
+
+def _index(pages: np.ndarray, kind: str) -> np.ndarray | torch.Tensor:
+    """The CPU's runs, or the page ids as a tensor: the path a device takes, run here on the CPU."""
+    return page_index(pages, torch.device("cpu")) if kind == "runs" else torch.from_numpy(pages)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pages=page_lists, width=st.sampled_from([1, 13, 64, 656]), padding=st.sampled_from([0, 3]),
+       start=st.integers(0, 9), kind=st.sampled_from(["runs", "tensor"]))
+def test_a_gather_then_a_scatter_moves_exactly_the_pages_bytes(pages, width, padding, start, kind):
+    _, source = _rows(width, padding)
+    area = torch.zeros(start + pages.size * width + 7, dtype=torch.uint8)
+    gather(source, _index(pages, kind), area, start)
+    expected = source.numpy()[pages].reshape(-1)
+    assert area[start:start + expected.size].numpy().tolist() == expected.tolist()
+    assert not area[:start].any() and not area[start + expected.size:].any(), "bytes outside the part"
+
+    base, target = _rows(width, padding)
+    before = base.clone()
+    scatter(area, start, target, _index(pages, kind))
+    after = base.numpy().copy()
+    before.numpy()[pages, :width] = expected.reshape(-1, width)
+    assert (after == before.numpy()).all(), "a byte other than the pages' rows changed, or one missed"
+
+
+def test_rows_whose_bytes_are_not_contiguous_are_refused_by_name():
+    view = torch.zeros(8, 16, dtype=torch.uint8)[:, ::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        gather(view, page_index(np.array([1]), view.device), torch.zeros(8, dtype=torch.uint8), 0)
+
+
+def test_a_cpu_copy_holds_the_gil_while_a_python_loop_spins_beside_it():
+    """A thread spinning in Python runs only when the copying thread lets go of the GIL: with a
+    switch interval far longer than the copy, its count stays still across the copy unless the
+    copy released the GIL (every torch op and numpy's large copies do)."""
+    pages = np.arange(0, 64, 2)  # one page per run: 32 runs per buffer
+    views = [torch.randint(0, 256, (64, width), dtype=torch.uint8) for width in [41984, 8448] * 8]
+    area = torch.zeros(pages.size * sum(v.shape[1] for v in views), dtype=torch.uint8)
+    index = page_index(pages, area.device)
+    count, stop = [0], threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.5)
+    spinner = threading.Thread(target=spin, daemon=True)
+    try:
+        spinner.start()
+        while count[0] == 0:  # the spinner runs, and wants the GIL back from here on
+            pass
+        before = count[0]
+        start = 0
+        for view in views:
+            gather(view, index, area, start)
+            scatter(area, start, view, index)
+            start += pages.size * view.shape[1]
+        during = count[0] - before
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        spinner.join(timeout=10)
+    assert during == 0, f"the spinner ran {during} times while the copies held the GIL"
+    assert not spinner.is_alive()

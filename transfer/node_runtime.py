@@ -4,7 +4,8 @@
 backend, and from then on owns the backend, a ZMQ context with the sockets the node makes on it
 (``socket``), and the ``ControlLoop`` that owns those sockets once started (``start``). Its tick,
 every ``backend.tick_ms``, runs ``backend.progress()``, then the node's tick, then copies the
-loop's ``bad_messages`` and ``max_tick_gap_s`` into the node's counters. ``close`` stops the loop
+loop's ``bad_messages`` and ``max_tick_gap_s`` into the node's counters where they changed (a
+write replaces the counters' whole struct under their lock: idle ticks need none). ``close`` stops the loop
 (which sends what is queued), closes every socket with the context — giving the messages still
 in ZMQ's queues ``CLOSE_LINGER_MS`` to leave, so a request's last ``ChunkDone`` reaches a live
 peer when the node closes right after its request succeeded — then closes the backend: in that
@@ -42,6 +43,7 @@ class NodeRuntime:
         self.counters = counters
         self.liveness = Liveness(heartbeat_s, peer_timeout_s)
         self._on_tick = on_tick
+        self._loop_figures = (0, 0.0)  # (bad_messages, max_tick_gap_s) as last copied
         self.closed = False
         try:
             backend.register(regions)
@@ -80,5 +82,7 @@ class NodeRuntime:
         try:
             self._on_tick(now)
         finally:
-            self.counters.bad_messages = self.loop.bad_messages
-            self.counters.max_tick_gap_s = self.loop.max_tick_gap_s
+            figures = (self.loop.bad_messages, self.loop.max_tick_gap_s)
+            if figures != self._loop_figures:
+                self._loop_figures = figures
+                self.counters.bad_messages, self.counters.max_tick_gap_s = figures

@@ -130,7 +130,9 @@ class PrefillPeer:
         return not self.alive and self.link.proves_gone(now)
 
     def _link_events(self) -> Iterator[int]:
-        while self.monitor is not None:
+        """The monitor's events queued now (asked first: each tick would otherwise pay for a
+        ``zmq.Again`` raised and caught)."""
+        while self.monitor is not None and self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
             try:
                 yield recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:

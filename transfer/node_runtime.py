@@ -4,13 +4,13 @@
 backend, and from then on owns the backend, a ZMQ context with the sockets the node makes on it
 (``socket``), and the ``ControlLoop`` that owns those sockets once started (``start``). Its tick,
 every ``backend.tick_ms``, runs ``backend.progress()``, then the node's tick, then copies the
-loop's ``bad_messages`` and ``max_tick_gap_s`` into the node's counters where they changed (a
-write replaces the counters' whole struct under their lock: idle ticks need none). ``close`` stops the loop
-(which sends what is queued), closes every socket with the context — giving the messages still
-in ZMQ's queues ``CLOSE_LINGER_MS`` to leave, so a request's last ``ChunkDone`` reaches a live
-peer when the node closes right after its request succeeded — then closes the backend: in that
-order, once, and as well from a construction that failed half-way (the node calls it on any
-failure after the runtime exists; a failed registration closes the backend at once).
+loop's ``bad_messages`` and ``max_tick_gap_s`` into the node's counters where they changed (a write
+replaces the counters' whole struct under their lock: idle ticks need none). ``close`` stops the
+loop (which sends what is queued), closes every socket with the context — giving the messages still
+in ZMQ's queues ``CLOSE_LINGER_MS`` to leave, so a request's last ``ChunkDone`` reaches a live peer
+when the node closes right after its request succeeded — then closes the backend: in that order,
+once, and as well from a construction that failed half-way (the node calls it on any failure after
+the runtime exists; a failed registration closes the backend at once).
 
 ``liveness`` is the node's ``liveness.Liveness`` (pure, time passed in): when the next heartbeat
 is due, and when a peer that has not been heard from counts as silent.

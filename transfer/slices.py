@@ -79,6 +79,9 @@ def _host_copies(view: torch.Tensor, area: torch.Tensor, start: int, runs: np.nd
     width, stride = view.shape[1], view.stride(0)
     if view.stride(1) != 1:
         raise ValueError("a staged copy needs each page's bytes contiguous (stride 1)")
+    if len(runs) and (runs[:, 1].min() < 0 or (runs[:, 1] + runs[:, 2]).max() > view.shape[0]):
+        raise ValueError(f"a staged copy's pages must lie in [0, {view.shape[0]}), got runs "
+                         f"from {int(runs[:, 1].min())} to {int((runs[:, 1] + runs[:, 2]).max()) - 1}")
     if stride != width:
         pages = np.concatenate([np.arange(p, p + n) for _, p, n in runs])
         runs = np.stack([np.arange(pages.size), pages, np.ones_like(pages)], axis=1)
@@ -98,6 +101,7 @@ def _as_words(view: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def _part(area: torch.Tensor, start: int, view: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``area`` from ``start`` that ``index``'s rows of ``view`` fill."""
     return area[start:start + index.numel() * view.shape[1]]
 
 

@@ -64,6 +64,16 @@ def test_rows_whose_bytes_are_not_contiguous_are_refused_by_name():
         gather(view, page_index(np.array([1]), view.device), torch.zeros(8, dtype=torch.uint8), 0)
 
 
+@pytest.mark.parametrize("pages", [[39, 40], [-1], [0, -3]])
+def test_pages_outside_the_buffer_are_refused_and_nothing_is_written(pages):
+    base, view = _rows(16, 0)
+    before = base.clone()
+    area = torch.zeros(16 * len(pages), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"must lie in \[0, 40\)"):
+        scatter(area, 0, view, page_index(np.array(pages), area.device))
+    assert torch.equal(base, before)
+
+
 def test_a_cpu_copy_holds_the_gil_while_a_python_loop_spins_beside_it():
     """A thread spinning in Python runs only when the copying thread lets go of the GIL: with a
     switch interval far longer than the copy, its count stays still across the copy unless the

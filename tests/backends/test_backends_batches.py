@@ -3,7 +3,7 @@ with ``transfer_check_status`` (Mooncake's ``get_batch_transfer_status`` spins a
 batch ends), the waiting thread sleeping between polls that found nothing done; never more than
 the peer's window in flight, the next submitted as the earliest ends; after a failure nothing
 more submitted while every submitted entry is still waited for (so none lands after the write
-ended), the first failure the one reported."""
+ended), the first failure the one reported. ``disconnect``'s reads back are polled the same way."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from dsa_bridge.transfer.backends.mooncake import MooncakeBackend, _Outcome
+from dsa_bridge.transfer.backends.mooncake import _LANES, MooncakeBackend, _Outcome, _Peer
 
 
 class ScriptedEngine:
@@ -43,6 +43,9 @@ class ScriptedEngine:
         self.queued[batch] = [0, time.monotonic()]
         self.most_queued = max(self.most_queued, len(self.queued))
         return batch
+
+    def batch_transfer_async_read(self, peer, dst, src, length) -> int:
+        return self.batch_transfer_async_write(peer, dst, src, length)
 
     def transfer_check_status(self, batch: int) -> int:
         self.checks += 1
@@ -124,3 +127,18 @@ def test_the_first_failure_is_the_one_reported():
     engine = ScriptedEngine(failing=(1, 2))
     outcome = run(engine, 12, max_batch=4, in_flight=2)
     assert outcome.first_entry == 0 and not engine.queued
+
+
+@pytest.mark.parametrize("failing", [(), (3,)])
+def test_disconnect_reads_each_lane_back_in_a_batch_of_its_own_polled_not_spun(failing):
+    """A frozen peer holds the reads until the engine's transfer timeout: waited for by polls
+    with sleeps in between, every read ended before the peer's lock is let go."""
+    engine = ScriptedEngine(failing=failing, end_after_s=0.06)
+    backend = MooncakeBackend.__new__(MooncakeBackend)  # no engine: only the reads run
+    state, scratch = _Peer(last_dst=4096), np.zeros(_LANES, dtype=np.uint8)
+    backend._close_lanes(engine, "127.0.0.1:1", state, scratch)
+    assert [engine.entries[b] for _, b in engine.events if _ == "submit"] == [
+        (scratch.ctypes.data + lane, 4096, 1) for lane in range(_LANES)]
+    assert not engine.queued, "a read was left in flight"
+    assert not state.lock.locked()
+    assert engine.checks <= _LANES + 60e-3 / MooncakeBackend.POLL_FIRST_S, engine.checks

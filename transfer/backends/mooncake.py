@@ -11,16 +11,16 @@ Facts this module is built on (Mooncake 0.3.13, measured on our machines, see do
   engine's transfer timeout. A write keeps at most ``max_batch`` x ``batches_in_flight`` (512 x 2)
   entries in flight per peer, the next submitted as soon as the earliest ended, so the engine
   never idles between them, and a write never holds more than half the bound in flight.
-- ``get_batch_transfer_status`` (and ``batch_transfer_sync_write``) wait for a batch by spinning
-  on its status, a core busy until the batch ends or ``MC_TRANSFER_TIMEOUT`` (default 30 s)
-  passes: on a small host, a core taken from the engine's own TCP threads and the peer's (a
-  64 MiB write in 122 entries at load 8: 209 ms spinning, 135 ms polled, half the CPU).
-  ``transfer_check_status`` answers at once, for a batch's first entry only, and frees the batch
-  once it ended. So each entry is a batch of its own (submitting one costs ~30 us more than in a
-  shared batch), polled, the thread sleeping 0.1 ms (doubled up to 0.5 ms) whenever a poll found
-  nothing ended. The engine calls of a write run in a helper thread and the caller waits on it
-  with its own deadline; after a timeout the helper finishes in the background, holding that
-  peer's lock so no later write piles onto a stuck peer.
+- ``get_batch_transfer_status`` (and ``batch_transfer_sync_write``) wait for a batch by spinning on
+  its status, a core busy until the batch ends or ``MC_TRANSFER_TIMEOUT`` (default 30 s) passes: on
+  a small host, a core taken from the engine's own TCP threads and the peer's (a 64 MiB write in
+  122 entries at load 8: 209 ms spinning, 135 ms polled, half the CPU). ``transfer_check_status``
+  answers at once, for a batch's first entry only, and frees the batch once it ended. So each entry
+  is a batch of its own (submitting one costs ~30 us more than in a shared batch; ``disconnect``'s
+  reads as well), polled, the thread sleeping 0.1 ms (doubled up to 0.5 ms) whenever a poll found
+  nothing ended. The engine calls of a write run in a helper thread and the caller waits on it with
+  its own deadline; after a timeout the helper finishes in the background, holding that peer's lock
+  so no later write piles onto a stuck peer.
 - The first write to a peer runs Mooncake's handshake, which waits up to 60 s (hard-coded) for an
   endpoint that accepts and never answers, holding a lock that stalls every write of this engine,
   to every peer. ``send_probe`` waits as long but holds nothing, so a peer's endpoint is probed in
@@ -263,18 +263,26 @@ class MooncakeBackend(EngineBackend[_Peer]):
             raise BackendError(self.name, "disconnect", str(exc), peer=peer) from exc
 
     def _close_lanes(self, engine: object, peer: str, state: _Peer, scratch: np.ndarray) -> None:
-        """Runs in the helper thread of ``disconnect``."""
+        """Runs in the helper thread of ``disconnect``: one byte read back per lane, each read a
+        batch of its own, polled as a write's entries are (a frozen peer holds them until the
+        engine's transfer timeout, which a spinning wait would spend on a core)."""
+        outcome = _Outcome()
         with state.lock:
             try:
-                batch = engine.batch_transfer_async_read(
-                    peer, [scratch.ctypes.data + i for i in range(_LANES)], [state.last_dst] * _LANES,
-                    [1] * _LANES)
-                rc = engine.get_batch_transfer_status([batch]) if 0 < batch < 2**63 else -1
+                in_flight = collections.deque()
+                for lane in range(_LANES):
+                    batch = engine.batch_transfer_async_read(
+                        peer, [scratch.ctypes.data + lane], [state.last_dst], [1])
+                    if not 0 < batch < 2**63:
+                        outcome.failed_call, outcome.code = "batch_transfer_async_read", -1
+                        break
+                    in_flight.append((lane, batch))
+                self._wait_all(engine, in_flight, outcome)
             except Exception as exc:  # nothing waits for this thread: say what happened
                 log.warning("mooncake: disconnecting %s: %s: %s", peer, type(exc).__name__, exc)
                 return
-        log.info("mooncake: disconnected %s (read back %s)", peer,
-                 "fine: it is still up" if rc == 0 else f"failed ({rc}): it is gone")
+        log.info("mooncake: disconnected %s (read back %s)", peer, "fine: it is still up"
+                 if not outcome.failed_call else f"failed ({outcome.code}): it is gone")
 
     def _write(self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, *,
                deadline: float, timeout_s: float) -> None:
@@ -409,6 +417,17 @@ class MooncakeBackend(EngineBackend[_Peer]):
                     peer,
                     f"{outcome.failed_call} failed" if outcome.failed_call else "completed",
                 )
+
+    def _wait_all(self, engine: object, in_flight: collections.deque, outcome: _Outcome) -> None:
+        """Poll every batch of ``in_flight`` until it ended (``_reap``), sleeping between polls
+        that found none ended."""
+        pause = self.POLL_FIRST_S
+        while in_flight:
+            if self._reap(engine, in_flight, outcome):
+                pause = self.POLL_FIRST_S
+            else:
+                time.sleep(pause)
+                pause = min(2 * pause, self.POLL_MAX_S)
 
     @staticmethod
     def _reap(engine: object, in_flight: collections.deque, outcome: _Outcome) -> bool:

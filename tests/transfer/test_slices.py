@@ -75,33 +75,35 @@ def test_pages_outside_the_buffer_are_refused_and_nothing_is_written(pages):
 
 
 def test_a_cpu_copy_holds_the_gil_while_a_python_loop_spins_beside_it():
-    """A thread spinning in Python runs only when the copying thread lets go of the GIL: with a
-    switch interval far longer than the copy, its count stays still across the copy unless the
-    copy released the GIL (every torch op and numpy's large copies do)."""
+    """A thread that wants to spin in Python gets the GIL during the copies only if they let go
+    of it: with a switch interval (2 s) far longer than the copies, no thread can force it from
+    them, so its count stays at 0 unless a copy released the GIL (every torch op and numpy's
+    large copies do: the old path let it run at its first copy)."""
     pages = np.arange(0, 64, 2)  # one page per run: 32 runs per buffer
     views = [torch.randint(0, 256, (64, width), dtype=torch.uint8) for width in [41984, 8448] * 8]
     area = torch.zeros(pages.size * sum(v.shape[1] for v in views), dtype=torch.uint8)
     index = page_index(pages, area.device)
-    count, stop = [0], threading.Event()
+    count, go, stop = [0], threading.Event(), threading.Event()
 
     def spin() -> None:
+        go.wait()
         while not stop.is_set():
             count[0] += 1
 
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(0.5)
     spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    sys.setswitchinterval(2.0)
     try:
-        spinner.start()
-        while count[0] == 0:  # the spinner runs, and wants the GIL back from here on
-            pass
-        before = count[0]
+        go.set()  # from here the spinner waits for the GIL, which this thread holds
         start = 0
         for view in views:
             gather(view, index, area, start)
             scatter(area, start, view, index)
             start += pages.size * view.shape[1]
-        during = count[0] - before
+            if count[0]:
+                break
+        during = count[0]
     finally:
         stop.set()
         sys.setswitchinterval(interval)

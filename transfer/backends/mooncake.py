@@ -277,7 +277,9 @@ class MooncakeBackend(EngineBackend[_Peer]):
                         outcome.failed_call, outcome.code = "batch_transfer_async_read", -1
                         break
                     in_flight.append((lane, batch))
-                self._wait_all(engine, in_flight, outcome)
+                pause = self.POLL_FIRST_S
+                while in_flight:
+                    pause = self._poll(engine, in_flight, outcome, pause)
             except Exception as exc:  # nothing waits for this thread: say what happened
                 log.warning("mooncake: disconnecting %s: %s: %s", peer, type(exc).__name__, exc)
                 return
@@ -401,11 +403,7 @@ class MooncakeBackend(EngineBackend[_Peer]):
                     entry += 1
                 if not in_flight:
                     break
-                if self._reap(engine, in_flight, outcome):
-                    pause = self.POLL_FIRST_S
-                else:
-                    time.sleep(pause)
-                    pause = min(2 * pause, self.POLL_MAX_S)
+                pause = self._poll(engine, in_flight, outcome, pause)
         except Exception as exc:  # a binding error must not pass for success
             outcome.failed_call, outcome.detail = "write", f"{type(exc).__name__}: {exc}"
         finally:
@@ -418,16 +416,14 @@ class MooncakeBackend(EngineBackend[_Peer]):
                     f"{outcome.failed_call} failed" if outcome.failed_call else "completed",
                 )
 
-    def _wait_all(self, engine: object, in_flight: collections.deque, outcome: _Outcome) -> None:
-        """Poll every batch of ``in_flight`` until it ended (``_reap``), sleeping between polls
-        that found none ended."""
-        pause = self.POLL_FIRST_S
-        while in_flight:
-            if self._reap(engine, in_flight, outcome):
-                pause = self.POLL_FIRST_S
-            else:
-                time.sleep(pause)
-                pause = min(2 * pause, self.POLL_MAX_S)
+    def _poll(self, engine: object, in_flight: collections.deque, outcome: _Outcome,
+              pause: float) -> float:
+        """One poll of ``in_flight`` (``_reap``), then a sleep of ``pause`` if nothing had ended;
+        the next pause: the first again after an end, else doubled up to ``POLL_MAX_S``."""
+        if self._reap(engine, in_flight, outcome):
+            return self.POLL_FIRST_S
+        time.sleep(pause)
+        return min(2 * pause, self.POLL_MAX_S)
 
     @staticmethod
     def _reap(engine: object, in_flight: collections.deque, outcome: _Outcome) -> bool:

@@ -79,9 +79,10 @@ def _host_copies(view: torch.Tensor, area: torch.Tensor, start: int, runs: np.nd
     width, stride = view.shape[1], view.stride(0)
     if view.stride(1) != 1:
         raise ValueError("a staged copy needs each page's bytes contiguous (stride 1)")
-    if len(runs) and (runs[:, 1].min() < 0 or (runs[:, 1] + runs[:, 2]).max() > view.shape[0]):
+    first, end = (int(runs[:, 1].min()), int((runs[:, 1] + runs[:, 2]).max())) if len(runs) else (0, 0)
+    if first < 0 or end > view.shape[0]:
         raise ValueError(f"a staged copy's pages must lie in [0, {view.shape[0]}), got runs "
-                         f"from {int(runs[:, 1].min())} to {int((runs[:, 1] + runs[:, 2]).max()) - 1}")
+                         f"from {first} to {end - 1}")
     if stride != width:
         pages = np.concatenate([np.arange(p, p + n) for _, p, n in runs])
         runs = np.stack([np.arange(pages.size), pages, np.ones_like(pages)], axis=1)

@@ -248,8 +248,9 @@ def test_decode_abort_is_confirmed_before_pages_are_released(nodes):
     receiver.abort("client went away")
     assert receiver.poll() == KVPoll.Failed
     wait_for(receiver.can_release, what="prefill's confirmation")
-    sender = prefill.sender(1)
-    assert sender.poll() in (KVPoll.Bootstrapping, KVPoll.WaitingForInput)
+    sender = prefill.sender(1)  # made after decode gave the request up: fails at once
+    assert sender.poll() == KVPoll.Failed
+    assert "aborted by decode: client went away" in str(sender.failure_exception())
 
 
 def test_prefill_abort_reaches_decode(nodes):

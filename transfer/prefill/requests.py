@@ -379,7 +379,8 @@ class RequestBook:
                 self._prune_locked(request)
             self._reporter.refuse(peer, abort.room, f"aborted by decode: {abort.reason}")
             return
-        if request.sender is None:
+        if request.sender is None:  # a sender made later fails at once, as before its pages
+            request.lose(f"aborted by decode: {abort.reason}", time.monotonic())
             self._drop_destinations_locked(request, f"aborted by decode: {abort.reason}")
             return
         self._reporter.fail_locked(request, f"aborted by decode: {abort.reason}")

@@ -141,7 +141,7 @@ def nodes():
                               peer_timeout_s=1.0, heartbeat_s=0.1)
         made.append(prefill)
         decode = DecodeNode(decode_pool or make_pool(size=64 * 24, sentinel=True), FakeBackend(),
-                            prefill.endpoint, peer_timeout_s=1.0, heartbeat_s=0.1, **decode_kw)
+                            prefill.endpoint, **{"peer_timeout_s": 1.0, "heartbeat_s": 0.1, **decode_kw})
         made.append(decode)
         return prefill, decode
 

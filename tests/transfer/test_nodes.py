@@ -253,6 +253,22 @@ def test_decode_abort_is_confirmed_before_pages_are_released(nodes):
     assert "aborted by decode: client went away" in str(sender.failure_exception())
 
 
+def test_pages_from_a_decode_prefill_dropped_as_silent_fail_both_sides_at_once(nodes):
+    """Prefill dropped the decode node as silent (a frozen decode, resumed), while decode still
+    counts prefill alive: decode's next pages are refused at once, naming why, and prefill's
+    sender for that room fails at once too, instead of both waiting out their timeouts."""
+    prefill, decode = nodes(heartbeat_s=30.0, peer_timeout_s=60.0)  # decode beats too slowly
+    wait_for(lambda: prefill.peers() == [], 10, "prefill dropping decode")
+    receiver = decode.receiver(1)
+    receiver.init([1, 2])
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "decode's refusal")
+    assert "dropped this decode node as silent" in str(receiver.failure_exception())
+    assert receiver.can_release()  # nothing of prefill's was ever written into its pages
+    sender = prefill.sender(1)
+    assert sender.poll() == KVPoll.Failed
+    assert "dropped this decode node as silent" in str(sender.failure_exception())
+
+
 def test_prefill_abort_reaches_decode(nodes):
     prefill, decode = nodes()
     receiver = decode.receiver(1)

@@ -28,7 +28,9 @@ pages; the application's ``KVSender.prefill_complete`` tells it (``PrefillReady`
 request's prefill has run, and a ``deferred`` sender's deadline starts only then.
 Aux buffers (``aux_buffers``: one slot per request in each) are paired with decode's by position; a
 request's aux slot travels with its last chunk. The node's tick drops silent decode nodes, expires
-requests, answers held handshakes and sends heartbeats.
+requests, answers held handshakes and sends heartbeats. A decode node dropped as silent that is
+still alive (it was frozen, then resumed) counts prefill alive until prefill's silence tells it
+otherwise: pages it announces meanwhile are refused at once, and that room's sender fails.
 """
 
 from __future__ import annotations
@@ -203,6 +205,13 @@ class PrefillNode:
                 return
             peer = self._sessions.peers.get(identity)
             if peer is None:
+                dropped = self._sessions.latest(identity)
+                if dropped is not None and isinstance(message, protocol.RequestPages):
+                    self._requests.from_dropped_locked(dropped, message, (
+                        f"prefill dropped this decode node as silent (nothing heard for "
+                        f"{self._liveness.peer_timeout_s:g}s); it re-handshakes once it counts "
+                        "prefill silent"))
+                    return
                 raise protocol.ProtocolError(f"{type(message).__name__} before a handshake")
             peer.last_seen = time.monotonic()
             if isinstance(message, protocol.RequestPages):

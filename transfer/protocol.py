@@ -43,6 +43,8 @@ from ..plugin.descriptors import MAX_KIND_CHARS, BufferDescriptor
 # Decode's own indexer pages added two optional fields (Hello.kv_page_zero, RequestPages.
 # index_pages), set only by a decode whose application asks (sglang's HiSparse decode), and one
 # more (Hello.kv_on_index_pages) for the KV layers such a decode keeps with its indexer.
+# A refusal of pages from a decode node prefill dropped as silent added one optional field
+# (ChunkDone.unpaired): such a decode re-handshakes at once instead of after prefill's silence.
 PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # of any message; each node's sockets take less (limits.py)
 
@@ -163,7 +165,9 @@ class ChunkDone(msgspec.Struct, frozen=True, tag="chunk_done"):
     prefill node that computes them. ``positions``: the chunk of a share writer (one of several
     prefill nodes that each write a share of the request's pages, every layer of each) names
     the request's pages it wrote, ascending; its checksums then cover those pages in that order
-    (``offset`` 0). None: the chunk continues the request's pages where the last one ended."""
+    (``offset`` 0). None: the chunk continues the request's pages where the last one ended.
+    ``unpaired``: the refusal of pages from a decode node prefill dropped as silent (which may
+    have been frozen, not gone), which re-handshakes at once."""
 
     room: int
     chunk: int
@@ -177,6 +181,7 @@ class ChunkDone(msgspec.Struct, frozen=True, tag="chunk_done"):
     checksums: PageChecksums | None = None
     slices: int = 0  # staging slices that carried the chunk (``SliceWritten`` before this)
     positions: Annotated[list[int], msgspec.Meta(max_length=MAX_POSITIONS)] | None = None
+    unpaired: bool = False  # refused because prefill dropped this decode node: re-handshake now
 
 
 class SliceWritten(msgspec.Struct, frozen=True, tag="slice"):

@@ -95,7 +95,7 @@ def transfer_whole(prefill, decode, room: int, what: str) -> None:
 def mark_dead(decode):
     """What the tick does when the prefill has been silent for the peer timeout."""
     with decode._lock:
-        decode._peer_dead_locked(decode.peers[0], time.monotonic())
+        decode._peer_dead_locked(decode.peers[0], time.monotonic(), "prefill unreachable (test)")
 
 
 def counters(decode) -> dict:
@@ -218,8 +218,9 @@ def test_a_prefill_restarted_on_the_same_port_is_handshaken_again(pair):
 @pytest.mark.slow
 def test_a_decode_the_prefill_dropped_comes_back_within_its_peer_timeout():
     """Decode silent past prefill's peer timeout (as a frozen decode is): prefill drops it and
-    stops its heartbeats; decode, hearing nothing, marks the prefill dead and re-handshakes. A
-    request made meanwhile fails with a reason; the next one succeeds, with no new node."""
+    stops its heartbeats; decode's next request is refused as unpaired (or, hearing nothing,
+    decode marks the prefill dead first), and decode re-handshakes at once. A request made
+    meanwhile fails with a reason; the next one succeeds, with no new node."""
     prefill = PrefillNode(make_pool(), FakeBackend(), peer_timeout_s=1.0, heartbeat_s=0.1)
     decode = DecodeNode(make_pool(size=64 * 24, sentinel=True), FakeBackend(), prefill.endpoint,
                         peer_timeout_s=2.0, heartbeat_s=0.1)
@@ -243,7 +244,8 @@ def test_a_decode_the_prefill_dropped_comes_back_within_its_peer_timeout():
                 break
             time.sleep(0.5)
         assert outcomes[-1][0] == KVPoll.Success, outcomes
-        assert all("unreachable" in reason for status, reason in outcomes[:-1]), outcomes
+        assert all("unreachable" in reason or "unpaired" in reason
+                   for status, reason in outcomes[:-1]), outcomes
         assert counters(decode)["peer_recoveries"] == 1
         assert count_mismatches(decode.pool, room, PAGES) == 0
     finally:

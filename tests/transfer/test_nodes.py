@@ -256,17 +256,22 @@ def test_decode_abort_is_confirmed_before_pages_are_released(nodes):
 def test_pages_from_a_decode_prefill_dropped_as_silent_fail_both_sides_at_once(nodes):
     """Prefill dropped the decode node as silent (a frozen decode, resumed), while decode still
     counts prefill alive: decode's next pages are refused at once, naming why, and prefill's
-    sender for that room fails at once too, instead of both waiting out their timeouts."""
+    sender for that room fails at once too, instead of both waiting out their timeouts; decode
+    re-handshakes at once (not after a silence of its peer timeout), and serves the next one."""
     prefill, decode = nodes(heartbeat_s=30.0, peer_timeout_s=60.0)  # decode beats too slowly
     wait_for(lambda: prefill.peers() == [], 10, "prefill dropping decode")
     receiver = decode.receiver(1)
     receiver.init([1, 2])
     wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "decode's refusal")
     assert "dropped this decode node as silent" in str(receiver.failure_exception())
-    assert receiver.can_release()  # nothing of prefill's was ever written into its pages
+    wait_for(receiver.can_release, 5, "the re-handshake's answer")  # nothing was written
     sender = prefill.sender(1)
     assert sender.poll() == KVPoll.Failed
     assert "dropped this decode node as silent" in str(sender.failure_exception())
+    wait_for(lambda: decode.counters.snapshot()["peer_recoveries"] == 1, 5, "the re-handshake")
+    sender, receiver = transfer(prefill, decode, 2, [3, 4], [5, 6])
+    assert receiver.poll() == KVPoll.Success, receiver.failure_exception()
+    assert count_mismatches(decode.pool, 2, np.array([5, 6])) == 0
 
 
 def test_prefill_abort_reaches_decode(nodes):

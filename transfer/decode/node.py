@@ -269,7 +269,12 @@ class DecodeNode:
 
     def _on_chunk_locked(self, peer: PrefillPeer, done: protocol.ChunkDone, now: float) -> None:
         """A chunk report goes to its request; a counted one then to the verifier, which hands
-        its outcome to the request, or, without checksums, a last one completes the part."""
+        its outcome to the request, or, without checksums, a last one completes the part. A
+        refusal because prefill dropped this node (``unpaired``) first marks it dead: its
+        running requests fail and it is offered a new handshake now."""
+        if done.unpaired and peer.alive:  # prefill dropped this node: re-handshake now
+            log.warning("%s: prefill %s dropped this node: %s", self.name, peer.endpoint, done.reason)
+            self._peer_dead_locked(peer, now, f"prefill {peer.endpoint} unpaired: {done.reason}")
         receiver = self._receivers.get(done.room)
         if receiver is None or peer not in receiver.peers:
             raise protocol.ProtocolError(f"chunk report for unknown room {done.room}")
@@ -294,7 +299,10 @@ class DecodeNode:
                                 "process is gone", self.name, peer.endpoint, now - peer.link.down_since)
                     self._peer_gone_locked(peer, now, set())
                 if peer.alive and self._liveness.silent(peer.last_seen, now):
-                    self._peer_dead_locked(peer, now)
+                    log.warning("%s: prefill %s silent for %.1fs", self.name, peer.endpoint,
+                                now - peer.last_seen)
+                    self._peer_dead_locked(peer, now, f"prefill {peer.endpoint} unreachable (no "
+                                           f"heartbeat for {self._liveness.peer_timeout_s:.1f}s)")
                 elif peer.session.retry_due(now) and peer.link.up:  # (link down: at reconnect)
                     self._loop.send(peer.socket, self._handshaker.offer(peer, now))
             for receiver in list(self._receivers.values()):
@@ -306,12 +314,10 @@ class DecodeNode:
 
     # ---- peers' liveness (control thread) --------------------------------------------------
 
-    def _peer_dead_locked(self, peer: PrefillPeer, now: float) -> None:
-        """``peer`` went silent: the requests it may write into are quarantined, running ones fail."""
+    def _peer_dead_locked(self, peer: PrefillPeer, now: float, reason: str) -> None:
+        """``peer`` went silent, or dropped this node: the requests it may write into are
+        quarantined, running ones fail (``reason``), and it is offered a new handshake."""
         peer.session.dead(now)
-        log.warning("%s: prefill %s silent for %.1fs", self.name, peer.endpoint, now - peer.last_seen)
-        reason = (f"prefill {peer.endpoint} unreachable (no heartbeat for "
-                  f"{self._liveness.peer_timeout_s:.1f}s)")
         for receiver in self._receivers.values():
             if peer in receiver.peers:
                 receiver.peer_silent_locked(peer, reason, now)

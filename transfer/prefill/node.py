@@ -29,8 +29,8 @@ request's prefill has run, and a ``deferred`` sender's deadline starts only then
 Aux buffers (``aux_buffers``: one slot per request in each) are paired with decode's by position; a
 request's aux slot travels with its last chunk. The node's tick drops silent decode nodes, expires
 requests, answers held handshakes and sends heartbeats. A decode node dropped as silent that is
-still alive (it was frozen, then resumed) counts prefill alive until prefill's silence tells it
-otherwise: pages it announces meanwhile are refused at once, and that room's sender fails.
+still alive (it was frozen, then resumed) may count prefill alive: pages it announces then are
+refused at once (``ChunkDone.unpaired``: it re-handshakes now), and that room's sender fails.
 """
 
 from __future__ import annotations
@@ -209,8 +209,7 @@ class PrefillNode:
                 if dropped is not None and isinstance(message, protocol.RequestPages):
                     self._requests.from_dropped_locked(dropped, message, (
                         f"prefill dropped this decode node as silent (nothing heard for "
-                        f"{self._liveness.peer_timeout_s:g}s); it re-handshakes once it counts "
-                        "prefill silent"))
+                        f"{self._liveness.peer_timeout_s:g}s); it re-handshakes"))
                     return
                 raise protocol.ProtocolError(f"{type(message).__name__} before a handshake")
             peer.last_seen = time.monotonic()

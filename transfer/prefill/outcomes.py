@@ -100,13 +100,15 @@ class ChunkReporter:
                 reason=sender.state.reason, in_flight=in_flight or sender.write_failed),
                 destination.peer.identity)
 
-    def refuse(self, peer: DecodePeer, room: int, reason: str, *, tell: bool = True) -> None:
+    def refuse(self, peer: DecodePeer, room: int, reason: str, *, tell: bool = True,
+               unpaired: bool = False) -> None:
         """Refuse a request ``peer`` announced (no write of ours into its pages ever ran);
-        ``tell`` False for a decode node that keeps no request to tell (nothing to send)."""
+        ``tell`` False for a decode node that keeps no request to tell (nothing to send);
+        ``unpaired`` where ``peer`` was dropped (it re-handshakes)."""
         log.warning("%s: refused room %d from %s: %s", self.name, room, peer.node, reason)
         if tell:
-            self._send(protocol.ChunkDone(room, 0, ok=False, last=True, reason=reason),
-                       peer.identity)
+            self._send(protocol.ChunkDone(room, 0, ok=False, last=True, reason=reason,
+                                          unpaired=unpaired), peer.identity)
 
     def ready(self, peer: DecodePeer, room: int) -> None:
         """Tell ``peer``, which reserved ``room``, that the request's prefill finished."""

@@ -388,9 +388,10 @@ class RequestBook:
     def from_dropped_locked(self, peer: DecodePeer, message: protocol.RequestPages,
                             reason: str) -> None:
         """Pages announced by a decode node dropped as silent (``peer``: its latest epoch): no
-        write can serve them before it re-handshakes. Refused to it, and the room's sender fails
-        now, or at once when the application makes it."""
-        self._reporter.refuse(peer, message.room, reason, tell=not message.nothing_to_send)
+        write can serve them before it re-handshakes. Refused to it (``unpaired``: it
+        re-handshakes at once), and the room's sender fails now, or at once when made."""
+        self._reporter.refuse(peer, message.room, reason, tell=not message.nothing_to_send,
+                              unpaired=True)
         self._decode_gave_up_locked(self._of_locked(message.room), reason)
 
     def _decode_gave_up_locked(self, request: PrefillRequest, reason: str) -> None:

@@ -95,7 +95,7 @@ def transfer_whole(prefill, decode, room: int, what: str) -> None:
 def mark_dead(decode):
     """What the tick does when the prefill has been silent for the peer timeout."""
     with decode._lock:
-        decode._peer_dead_locked(decode.peers[0], time.monotonic(), "prefill unreachable (test)")
+        decode._peer_dead_locked(decode.peers[0], time.monotonic())
 
 
 def counters(decode) -> dict:

@@ -137,8 +137,7 @@ class DecodeNode:
             self._runtime.close()
             raise
         self._context = ReceiverContext(self.name, self._lock, self.counters, self._loop.send,
-                                        limits,
-                                        self.aux_buffers, request_timeout_s,
+                                        limits, self.aux_buffers, request_timeout_s,
                                         in_flight_grace_s, quarantine_timeout_s)
         self._verifier = ChunkVerifier(pool, self.name, limits.kv_on_index_pages)
         self._runtime.start([peer.socket for peer in self.peers])
@@ -270,11 +269,9 @@ class DecodeNode:
     def _on_chunk_locked(self, peer: PrefillPeer, done: protocol.ChunkDone, now: float) -> None:
         """A chunk report goes to its request; a counted one then to the verifier, which hands
         its outcome to the request, or, without checksums, a last one completes the part. A
-        refusal because prefill dropped this node (``unpaired``) first marks it dead: its
-        running requests fail and it is offered a new handshake now."""
-        if done.unpaired and peer.alive:  # prefill dropped this node: re-handshake now
-            log.warning("%s: prefill %s dropped this node: %s", self.name, peer.endpoint, done.reason)
-            self._peer_dead_locked(peer, now, f"prefill {peer.endpoint} unpaired: {done.reason}")
+        refusal because prefill dropped this node (``unpaired``) first marks that prefill dead."""
+        if done.unpaired and peer.alive:  # re-handshake now, not after a peer timeout of silence
+            self._peer_dead_locked(peer, now, dropped=done.reason)
         receiver = self._receivers.get(done.room)
         if receiver is None or peer not in receiver.peers:
             raise protocol.ProtocolError(f"chunk report for unknown room {done.room}")
@@ -299,10 +296,7 @@ class DecodeNode:
                                 "process is gone", self.name, peer.endpoint, now - peer.link.down_since)
                     self._peer_gone_locked(peer, now, set())
                 if peer.alive and self._liveness.silent(peer.last_seen, now):
-                    log.warning("%s: prefill %s silent for %.1fs", self.name, peer.endpoint,
-                                now - peer.last_seen)
-                    self._peer_dead_locked(peer, now, f"prefill {peer.endpoint} unreachable (no "
-                                           f"heartbeat for {self._liveness.peer_timeout_s:.1f}s)")
+                    self._peer_dead_locked(peer, now)
                 elif peer.session.retry_due(now) and peer.link.up:  # (link down: at reconnect)
                     self._loop.send(peer.socket, self._handshaker.offer(peer, now))
             for receiver in list(self._receivers.values()):
@@ -314,10 +308,10 @@ class DecodeNode:
 
     # ---- peers' liveness (control thread) --------------------------------------------------
 
-    def _peer_dead_locked(self, peer: PrefillPeer, now: float, reason: str) -> None:
-        """``peer`` went silent, or dropped this node: the requests it may write into are
-        quarantined, running ones fail (``reason``), and it is offered a new handshake."""
-        peer.session.dead(now)
+    def _peer_dead_locked(self, peer: PrefillPeer, now: float, dropped: str = "") -> None:
+        """``peer`` went silent, or dropped this node (``dropped``: prefill's words): the requests
+        it may write into are quarantined, running ones fail, and it is offered a new handshake."""
+        reason = peer.dead(self.name, now, self._liveness.peer_timeout_s, dropped)
         for receiver in self._receivers.values():
             if peer in receiver.peers:
                 receiver.peer_silent_locked(peer, reason, now)

@@ -118,6 +118,17 @@ class PrefillPeer:
     def proven_gone(self) -> bool:
         return self.link.proven_gone
 
+    def dead(self, node: str, now: float, peer_timeout_s: float, dropped: str = "") -> str:
+        """Mark it dead, to be offered a new handshake at once: silent for ``peer_timeout_s``, or
+        ``dropped`` (prefill dropped ``node``, in prefill's words). Logged; returns why the
+        requests it feeds fail."""
+        self.session.dead(now)
+        if dropped:
+            log.warning("%s: prefill %s dropped this node: %s", node, self.endpoint, dropped)
+            return f"prefill {self.endpoint} unpaired: {dropped}"
+        log.warning("%s: prefill %s silent for %.1fs", node, self.endpoint, now - self.last_seen)
+        return f"prefill {self.endpoint} unreachable (no heartbeat for {peer_timeout_s:.1f}s)"
+
     def watch_link(self, now: float) -> bool:
         """Follow the control connection's events; True once when the peer is dead and its
         process proven gone (``ControlLink.proves_gone``)."""

@@ -1,8 +1,9 @@
 """Suite-wide: which engines and devices this machine has, skips with reasons, a closing report
 of every skipped suite so a green run cannot hide one, the clearing of the engine settings a
 caller may have exported (tests that start engines set what they need themselves), one torch
-thread per test process, the ``slow`` mark of the tiers that start OS processes, and the node
-fixtures the folders share (``engine``, ``made``, ``nodes``).
+thread per test process, the ``slow`` mark of the tiers that start OS processes, the fork
+server those processes start from (``forkserver.py``: torch imported once), stopped at the end,
+and the node fixtures the folders share (``engine``, ``made``, ``nodes``).
 
 The folders are named after the code they test (``tests/test_structure.py``: ``TEST_FOLDERS``);
 ``integration``, ``reliability`` and ``gpu`` are the tiers that run the nodes as OS processes.
@@ -35,8 +36,11 @@ from dsa_bridge.transfer.backends import create_backend  # noqa: E402
 from dsa_bridge.transfer.backends.base import BackendUnavailable  # noqa: E402
 from dsa_bridge.transfer.decode import DecodeNode  # noqa: E402
 from dsa_bridge.transfer.prefill import PrefillNode  # noqa: E402
+from tests import forkserver  # noqa: E402
 from tests.transfer.fake_backend import FakeBackend  # noqa: E402
 from tests.transfer.helpers import make_pool  # noqa: E402
+
+forkserver.preload(forkserver.MAIN_PRELOAD)  # the SGLang tier's conftest preloads sglang
 
 # Hypothesis fails an example that runs over 200 ms of wall time: on two cores shared with other
 # work a healthy example can (a loaded run failed test_pieces_cover_exactly_the_same_bytes so).
@@ -148,3 +152,11 @@ def nodes():
     yield build
     for node in reversed(made):
         node.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server_stopped():
+    """The node processes' fork server (``forkserver.py``), if a test started it, stopped at the
+    end of the session."""
+    yield
+    forkserver.stop_server()

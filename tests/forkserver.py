@@ -1,16 +1,23 @@
-"""Rank processes of the SGLang tier, forked from a server that imported torch and sglang once.
+"""Test processes forked from a server that imported their heavy modules once.
 
-A rank script's own start is mostly ``import sglang`` (about ten CPU-seconds here); Python's
-``forkserver`` start method runs one server process per test process that imports the modules
-of ``PRELOAD`` once and forks each rank from it. Every rank is still its own OS process (its own
-PID, engine, sockets and pools, stopped by the test by that PID), run as ``python -m MODULE
-ARGS`` would run it (``runpy``, its own ``sys.argv``, environment and working directory, its
-stdout and stderr on the files or pipes given): only the import is shared. Nothing is preloaded
-that starts a thread (the engines' modules do): a fork copies only the thread that forks.
+A node process's own start is mostly imports: ``import torch`` takes about two CPU-seconds here,
+``import sglang`` about ten. Python's ``forkserver`` start method runs one server process per
+test process that imports the modules of ``preload`` once and forks each process from it. Every
+process is still its own OS process (its own PID, engine, sockets and pools, stopped by the test
+by that PID), run as ``python -m MODULE ARGS`` would run it (``runpy``, its own ``sys.argv``,
+environment and working directory, its stdout and stderr on the files or pipes given, Python's
+fault handler on where ``PYTHONFAULTHANDLER`` asks): only the import is shared. Nothing is
+preloaded that starts a thread (the engines' modules do): a fork copies only the thread that
+forks. ``popen`` is ``subprocess.Popen`` for a ``[sys.executable, ...]`` command line.
+
+The main suite preloads torch (``MAIN_PRELOAD``, set by ``tests/conftest.py``); the SGLang tier
+sglang (``tests/sglang/conftest.py``). Tests that run the real command line as a user types it
+(the README's, the console script) still exec it.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import runpy
@@ -20,11 +27,19 @@ import sys
 import tempfile
 from multiprocessing import reduction
 
-PRELOAD = ["tests.sglang.conftest", "sglang.srt.disaggregation.prefill", "sglang.srt.disaggregation.decode",
-           "sglang.srt.mem_cache.memory_pool", "sglang.srt.plugins", "requests"]
+MAIN_PRELOAD = ["torch", "numpy", "msgspec", "zmq"]
 
 _CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(PRELOAD)
+
+
+def preload(modules: list[str]) -> None:
+    """What the fork server imports once (before it starts: the first process forked)."""
+    _CONTEXT.set_forkserver_preload(modules)
+
+
+def context() -> multiprocessing.context.BaseContext:
+    """The fork server's context, for a ``multiprocessing.Process`` with its own target."""
+    return _CONTEXT
 
 
 class _Fd:
@@ -43,7 +58,8 @@ def _detach(dup) -> int:
 
 def _run(argv: list[str], env: dict, cwd: str, out: int, err: int) -> None:
     """In the forked process: its stdout and stderr, directory and environment, then ``argv`` as
-    the interpreter runs ``python -m MODULE ARGS...`` or ``python -c CODE``."""
+    the interpreter runs ``python -m MODULE ARGS...``, ``python -c CODE`` or ``python SCRIPT
+    ARGS...``."""
     os.dup2(out, 1)
     os.dup2(err, 2)
     os.close(out)
@@ -51,25 +67,33 @@ def _run(argv: list[str], env: dict, cwd: str, out: int, err: int) -> None:
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    option, target, *args = argv
+    if env.get("PYTHONFAULTHANDLER"):  # read at an interpreter's start, which a fork skips
+        faulthandler.enable()
+    option, *args = argv
     if option == "-m":
-        sys.argv = [target, *args]
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = ["-c", *args]
-        exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102 (python -c)
+        sys.argv = list(args)
+        runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+    elif option == "-c":
+        sys.argv = ["-c", *args[1:]]
+        exec(compile(args[0], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102 (python -c)
+    else:  # a script
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(option)))
+        runpy.run_path(option, run_name="__main__")
 
 
 class RankProcess:
-    """``python ARGV`` (``-m MODULE ARGS...`` or ``-c CODE``) forked, with the calls of
+    """``python ARGV`` (``-m MODULE ARGS...``, ``-c CODE`` or ``SCRIPT ARGS...``) forked, with the calls of
     ``subprocess.Popen`` the tests use: ``pid``, ``poll``, ``wait`` (``subprocess.TimeoutExpired``
     past its timeout), ``kill``, ``send_signal``, ``returncode`` (``-N`` for a process killed by
-    signal N), and ``stdout``/``stderr`` for ``subprocess.PIPE``."""
+    signal N), ``stdout``/``stderr`` for ``subprocess.PIPE``, and ``stderr=subprocess.STDOUT``."""
 
     def __init__(self, argv: list[str], env: dict, cwd: str, stdout, stderr):
         ends, self.stdout, self.stderr = [], None, None
         for given, name in ((stdout, "stdout"), (stderr, "stderr")):
-            if given == subprocess.PIPE:
+            if given == subprocess.STDOUT:
+                ends.append((ends[0][0], False))
+            elif given == subprocess.PIPE:
                 read, write = os.pipe()
                 setattr(self, name, open(read, encoding="utf-8"))  # noqa: SIM115 (the caller reads it)
                 ends.append((write, True))
@@ -102,8 +126,19 @@ class RankProcess:
         if self._process.exitcode is None:
             os.kill(self.pid, sig)
 
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def popen(argv: list[str], env: dict, cwd: str, stdout, stderr) -> RankProcess:
+    """``subprocess.Popen([sys.executable, *ARGV], ...)`` (stdin from /dev/null) as a forked
+    process."""
+    if argv[0] != sys.executable:
+        raise ValueError(f"not a Python command line: {argv[:2]}")
+    return RankProcess(argv[1:], env, cwd, stdout, stderr)
 
 
 def run(argv: list[str], env: dict, cwd: str, timeout_s: float) -> subprocess.CompletedProcess:

@@ -15,14 +15,18 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from .. import forkserver
+
 SENTINEL = 0xA5
-REPLY_TIMEOUT_S = 90.0  # a spawn imports torch and an engine: 30 s was too short at load 25
+REPLY_TIMEOUT_S = 90.0  # a start imports an engine: 30 s was too short at load 25
 
 
 def serve(
     conn: Connection, backend: str, nbytes: int, lifetime_s: float, env: dict[str, str], host: str
 ) -> None:
-    """The child's main: everything it does is bounded by ``lifetime_s``."""
+    """The child's main: everything it does is bounded by ``lifetime_s``; ``env`` is its whole
+    environment (a forked child starts with the fork server's)."""
+    os.environ.clear()
     os.environ.update(env)
     import torch
 
@@ -128,13 +132,14 @@ def start_peer(
     env: dict[str, str] | None = None,
     host: str = "127.0.0.1",
 ) -> Peer:
-    """Spawn a peer (``env`` added to its environment, its engine started for ``host``); wait,
-    bounded, for it to announce itself."""
-    context = multiprocessing.get_context("spawn")
+    """Start a peer, forked from the fork server (``tests/forkserver.py``: torch imported once;
+    ``env`` added to its environment, its engine started for ``host``); wait, bounded, for it to
+    announce itself."""
+    context = forkserver.context()
     parent, child = context.Pipe()
     process = context.Process(
         target=serve,
-        args=(child, backend, nbytes, lifetime_s, env or {}, host),
+        args=(child, backend, nbytes, lifetime_s, {**os.environ, **(env or {})}, host),
         name=f"peer-{backend}",
         daemon=True,
     )

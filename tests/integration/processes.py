@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from .. import forkserver
+
 NODE_ENV = {"MC_LOG_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "ERROR", "UCX_LOG_LEVEL": "error"}
 
 
@@ -23,11 +25,10 @@ class PrefillProcess:
     def __init__(self, tmp: Path, backend: str, *extra: str, ready_timeout_s: float = 60.0):
         ready = tmp / f"prefill-{time.monotonic_ns()}.json"
         self.log = open(tmp / f"prefill-{ready.stem}.log", "w")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(
+        self.process = forkserver.popen(  # torch imported once (tests/forkserver.py)
             cli("prefill", "--listen", "127.0.0.1:0", "--ready-file", str(ready), "--backend",
-                backend, *extra),
-            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **NODE_ENV})
+                backend, *extra), {**os.environ, **NODE_ENV}, os.getcwd(), self.log,
+            subprocess.STDOUT)
         deadline = time.monotonic() + ready_timeout_s
         while not ready.exists():
             if self.process.poll() is not None or time.monotonic() > deadline:

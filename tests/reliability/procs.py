@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from .. import forkserver
 from .netns import Host
 
 # PYTHONFAULTHANDLER: a node that ignores SIGTERM gets SIGABRT, which dumps its threads' stacks
@@ -32,14 +33,19 @@ class Hang(AssertionError):
 
 
 class Node:
-    """One OS process started by a test; its stdout and stderr go to a log file."""
+    """One OS process started by a test; its stdout and stderr go to a log file. A Python
+    command line on this host is forked from the fork server (``tests/forkserver.py``: torch
+    imported once); one inside a namespace (``ip netns exec``) is exec'd."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str]):
         self.name = name
         self.log_path = log_path
         with open(log_path, "w") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=env, cwd=REPO)
+            if argv[0] == sys.executable:
+                self.process = forkserver.popen(argv, env, str(REPO), log, subprocess.STDOUT)
+            else:
+                self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, env=env, cwd=REPO)
         self.endpoint = ""
         self.hung = ""  # did not exit on SIGTERM: its signal state then
 

@@ -26,6 +26,8 @@ import types
 import pytest
 import torch
 
+from .. import forkserver
+
 
 def _sglang_problem() -> str | None:
     if importlib.util.find_spec("sglang") is None:
@@ -34,6 +36,12 @@ def _sglang_problem() -> str | None:
 
 
 SGLANG_MISSING = _sglang_problem()
+# what the rank processes' fork server imports once (``tests/forkserver.py``): the shims, then sglang
+SGLANG_PRELOAD = ["tests.sglang.conftest", "sglang.srt.disaggregation.prefill",
+                  "sglang.srt.disaggregation.decode", "sglang.srt.mem_cache.memory_pool",
+                  "sglang.srt.plugins", "requests"]
+if not SGLANG_MISSING:
+    forkserver.preload(SGLANG_PRELOAD)
 
 
 class InterpolationMode(enum.Enum):
@@ -91,14 +99,3 @@ def published_context(**server_args_fields):
 def sglang_context():
     with published_context() as server_args:
         yield server_args
-
-
-@pytest.fixture(scope="session", autouse=True)
-def fork_server_stopped():
-    """The rank processes' fork server (``forkserver.py``), if a test started it, stopped at the
-    end of the session."""
-    yield
-    from .forkserver import stop_server
-
-    stop_server()
-

@@ -39,9 +39,9 @@ import torch
 from tests.conftest import require_engine
 from tests.ports import free_port
 
-from . import forkserver
+from .. import forkserver
+from ..forkserver import RankProcess
 from .conftest import SGLANG_MISSING, published_context
-from .forkserver import RankProcess
 
 if SGLANG_MISSING:
     pytest.skip(SGLANG_MISSING, allow_module_level=True)

@@ -26,8 +26,8 @@ import pytest
 
 from tests.conftest import require_engine
 
+from ..forkserver import RankProcess
 from .conftest import SGLANG_MISSING
-from .forkserver import RankProcess
 
 if SGLANG_MISSING:
     pytest.skip(SGLANG_MISSING, allow_module_level=True)

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import require_engine
 
-from . import forkserver
+from .. import forkserver
 from .conftest import SGLANG_MISSING, published_context
 
 if SGLANG_MISSING:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from . import forkserver
+from .. import forkserver
 from .conftest import SGLANG_MISSING
 
 if SGLANG_MISSING:

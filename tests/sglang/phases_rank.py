@@ -49,9 +49,9 @@ def run_prefill(cfg: dict, server_args) -> dict:
     manager = prefill_manager(scheduler_stand_in(cfg, server_args, pool, metadata))
     result = {"node_timeout_s": manager.node.request_timeout_s}
     wait_for(lambda: Path(cfg["sync"]).exists(), 180, "decode ready")
+    start = time.monotonic()  # before the sender: its phase clock starts when it is made
     sender = get_kv_class(backend, KVClassType.SENDER)(
         mgr=manager, bootstrap_addr=f"127.0.0.1:{cfg['port']}", bootstrap_room=cfg["room"])
-    start = time.monotonic()
     wait_for(lambda: sender.poll() != KVPoll.Bootstrapping, END_S, "prefill bootstrap")  # its queue
     result["bootstrapped_s"] = time.monotonic() - start
     if sender.poll() == KVPoll.WaitingForInput:
@@ -64,7 +64,7 @@ def run_prefill(cfg: dict, server_args) -> dict:
         sender.send(src[2:], [src])
         wait_for(lambda: sender.poll() in (KVPoll.Success, KVPoll.Failed), END_S, "prefill end")
     result.update(poll=int(sender.poll()), reason=reason_of(sender) if sender.poll() == 0 else "",
-                  ended_s=time.monotonic() - start)
+                  ended_s=time.monotonic() - start, started_at=start)
     if sender.poll() == KVPoll.Success:
         sender.clear()
     manager.shutdown()
@@ -85,9 +85,9 @@ def run_decode(cfg: dict, server_args) -> dict:
     wait_for(lambda: manager.try_ensure_parallel_info(addr), 180, "prefill parallel info",
              poll_s=0.2)  # sglang asks once a second
     Path(cfg["sync"]).touch()  # the request reaches both servers now
+    start = time.monotonic()  # before the receiver: its phase clock starts when it is made
     receiver = get_kv_class(backend, KVClassType.RECEIVER)(mgr=manager, bootstrap_addr=addr,
                                                            bootstrap_room=cfg["room"])
-    start = time.monotonic()
     receiver.init(0)
     hold_until = start + cfg["decode_hold_s"]
     while time.monotonic() < hold_until and receiver.poll() != KVPoll.Failed:  # the prealloc queue
@@ -99,7 +99,7 @@ def run_decode(cfg: dict, server_args) -> dict:
         receiver.send_metadata(cfg["dst_pages"], cfg["dst_aux"], [cfg["dst_pages"]])
         wait_for(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), END_S, "decode end")
     result.update(poll=int(receiver.poll()), reason=reason_of(receiver) if receiver.poll() == 0 else "",
-                  ended_s=time.monotonic() - start)
+                  ended_s=time.monotonic() - start, started_at=start)
     if receiver.poll() == KVPoll.Success:
         result.update(compare(cfg, pool, metadata, receiver))
     receiver.clear()

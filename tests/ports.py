@@ -28,12 +28,17 @@ def port_share(low: int, high: int, worker: str, workers: int) -> range:
     return range(low + index * span, low + (index + 1) * span)
 
 
-def free_port() -> int:
-    """A port free now on 127.0.0.1, chosen at random below the ephemeral range, in this test
-    process's share of it, and not one it handed out recently."""
+def own_share() -> range:
+    """This test process's share of the ports below the ephemeral range (``port_share``)."""
     ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    share = port_share(ephemeral // 2, ephemeral, os.environ.get("PYTEST_XDIST_WORKER", ""),
-                       int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    return port_share(ephemeral // 2, ephemeral, os.environ.get("PYTEST_XDIST_WORKER", ""),
+                      int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+def free_port() -> int:
+    """A port free now on 127.0.0.1, chosen at random in this test process's share of the ports
+    below the ephemeral range (``own_share``), and not one it handed out recently."""
+    share = own_share()
     for _ in range(1000):
         port = random.choice(share)
         if port in _recent:

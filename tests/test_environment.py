@@ -47,14 +47,13 @@ def test_a_missing_engine_is_explained_with_what_to_install(name, monkeypatch):
 def test_parallel_test_processes_choose_ports_from_disjoint_shares(monkeypatch):
     """Two test processes of one run cannot both choose a port before either binds it (their
     shares are disjoint), and one process never hands out a port twice in a row."""
-    from tests.ports import free_port, port_share
+    from tests.ports import free_port, own_share, port_share
 
     shares = [port_share(16384, 32768, f"gw{i}", 4) for i in range(4)]
     assert all(set(a).isdisjoint(b) for i, a in enumerate(shares) for b in shares[i + 1:])
     assert sum(len(s) for s in shares) == 16384 and port_share(16384, 32768, "", 1) == range(16384, 32768)
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw2")
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
-    ephemeral = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    mine = port_share(ephemeral // 2, ephemeral, "gw2", 4)
+    mine = own_share()  # gw2's share of the ports below this machine's ephemeral range
     chosen = [free_port() for _ in range(50)]
     assert all(port in mine for port in chosen) and len(set(chosen)) == 50

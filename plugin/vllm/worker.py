@@ -16,12 +16,20 @@ reports a request once its blocks may go back to vLLM: a prefill's once its writ
 ``kv_load_failure_policy``). Layer by layer there is nothing to do: prefill writes a request
 whole after it finished, decode waits between steps, so ``save_kv_layer`` and
 ``wait_for_layer_load`` return at once.
+
+While a request of this worker is in flight, each ``get_finished`` sleeps ``HANDOFF_S`` first
+(``hand_over``). vLLM's engine core steps in a Python loop without pause while a request waits
+for its KV (or, on prefill, while push work is pending), holding the GIL but at the interpreter's
+forced switch: the nodes' control threads, woken by a message (decode's block announcement
+to send, prefill's chunk report to read), would each wait up to that switch interval (5 ms) for
+the GIL, at every hop of a transfer. The sleep hands it over once a step instead.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import time
 
 import numpy as np
 
@@ -38,6 +46,8 @@ from .metadata import BridgeMetadata
 from .options import BridgeOptions, PrefillAnswer, SourceRanks
 
 log = logging.getLogger(__name__)
+
+HANDOFF_S = 0.0002  # a step's sleep, while a transfer is in flight, for the nodes' threads
 
 
 class BridgeWorker:
@@ -151,6 +161,7 @@ class BridgeWorker:
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving): the requests whose blocks
         may go back to vLLM now, each reported once."""
+        self.hand_over()
         sending, recving, failed = set(), set(), set()
         for req_id, sender in list(self.senders.items()):
             if sender.poll() in TERMINAL and sender.can_release():
@@ -173,6 +184,15 @@ class BridgeWorker:
         self.aborted -= self.unloaded
         self.unsent, self.unloaded = set(), set()
         return sending, recving, failed
+
+    def hand_over(self) -> bool:
+        """Sleep ``HANDOFF_S`` where a transfer of this worker is in flight, so that its nodes'
+        threads take the GIL now rather than at the interpreter's forced switch (module
+        docstring); True where it slept."""
+        if not self.senders and not self.receivers:
+            return False
+        time.sleep(HANDOFF_S)
+        return True
 
     def close(self) -> None:
         for node in [*self.decode_nodes.values(), *([self.prefill] if self.prefill else [])]:

@@ -185,14 +185,12 @@ class BridgeWorker:
         self.unsent, self.unloaded = set(), set()
         return sending, recving, failed
 
-    def hand_over(self) -> bool:
+    def hand_over(self) -> None:
         """Sleep ``HANDOFF_S`` where a transfer of this worker is in flight, so that its nodes'
         threads take the GIL now rather than at the interpreter's forced switch (module
-        docstring); True where it slept."""
-        if not self.senders and not self.receivers:
-            return False
-        time.sleep(HANDOFF_S)
-        return True
+        docstring)."""
+        if self.senders or self.receivers:
+            time.sleep(HANDOFF_S)
 
     def close(self) -> None:
         for node in [*self.decode_nodes.values(), *([self.prefill] if self.prefill else [])]:

@@ -274,6 +274,28 @@ def test_pages_from_a_decode_prefill_dropped_as_silent_fail_both_sides_at_once(n
     assert count_mismatches(decode.pool, 2, np.array([5, 6])) == 0
 
 
+def test_a_request_failed_while_its_prefill_counted_dead_is_aborted_at_the_re_handshake(made):
+    """Decode counts a live prefill dead (a decode frozen past its peer timeout, resumed, reads
+    the tick before the queued heartbeats; here prefill simply beats too slowly): a request
+    failed then, before its pages were announced, is told to prefill once the re-handshake is
+    answered, so that prefill's sender fails at once instead of waiting out its timeout."""
+    prefill = PrefillNode(make_pool(), FakeBackend(), heartbeat_s=30.0, peer_timeout_s=60.0)
+    made.append(prefill)
+    decode = DecodeNode(make_pool(size=64 * 24, sentinel=True), FakeBackend(), prefill.endpoint,
+                        heartbeat_s=0.1, peer_timeout_s=1.0)
+    made.append(decode)
+    sender = prefill.sender(1)
+    receiver = decode.receiver(1)  # its pages not yet allocated
+    wait_for(lambda: receiver.poll() == KVPoll.Failed, 5, "decode counting prefill dead")
+    assert "unreachable" in str(receiver.failure_exception())
+    assert receiver.can_release()  # nothing was announced: nothing can be written
+    wait_for(lambda: sender.poll() == KVPoll.Failed, 5, "prefill's sender failing",
+             detail=lambda: f"it is {sender.poll()!r}; decode re-handshaked "
+                            f"{decode.counters.snapshot()['peer_recoveries']} times")
+    assert "aborted by decode" in str(sender.failure_exception())
+    assert "unreachable" in str(sender.failure_exception())
+
+
 def test_prefill_abort_reaches_decode(nodes):
     prefill, decode = nodes()
     receiver = decode.receiver(1)

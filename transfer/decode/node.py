@@ -82,11 +82,10 @@ class DecodeNode:
                  name: str | None = None, handshake_timeout_s: float = 10.0,
                  request_timeout_s: float = 60.0, peer_timeout_s: float = 5.0,
                  heartbeat_s: float = 0.5, in_flight_grace_s: float = 35.0,
-                 quarantine_timeout_s: float = 600.0,
-                 secret: bytes = b"", index_reads: Iterable[int] | None = None,
-                 checksums: bool = False, aux_buffers=(), staging_bytes: int | None = None,
-                 slice_bytes: int | None = None, kv_page_zero: bool = False,
-                 kv_on_index_pages: Iterable[int] = ()):
+                 quarantine_timeout_s: float = 600.0, secret: bytes = b"",
+                 index_reads: Iterable[int] | None = None, checksums: bool = False,
+                 aux_buffers=(), staging_bytes: int | None = None, slice_bytes: int | None = None,
+                 kv_page_zero: bool = False, kv_on_index_pages: Iterable[int] = ()):
         if not quarantine_timeout_s > 0:
             raise ValueError(f"quarantine_timeout_s must be > 0, got {quarantine_timeout_s}")
         self.pool = pool
@@ -287,6 +286,7 @@ class DecodeNode:
         every room quarantined on it is free, but those a failed engine write may still reach."""
         if self._handshaker.answered(peer, ack, now):
             self._peer_gone_locked(peer, now, set(ack.in_flight))
+            peer.send_owed_aborts(self._loop.send)
 
     def _on_tick(self, now: float) -> None:
         with self._lock:

@@ -348,10 +348,14 @@ class KVReceiver(RequestHandle):
         if self.page_ids is None:  # nothing was asked of any prefill node: none can write, but
             if self._fail_locked(reason, now, release_after_s=0.0):  # each is told at once, so
                 self.fence.nothing_sent()  # that its sender does not wait for decode's pages
-                for peer in self.peers:
-                    if peer.alive and peer is not told:
-                        self._context.send(peer.socket,
-                                           protocol.Abort(self.room, reason, before_pages=True))
+                for peer in self.peers:  # (one counted dead: once its re-handshake is answered)
+                    if peer is told:
+                        continue
+                    abort = protocol.Abort(self.room, reason, before_pages=True)
+                    if peer.alive:
+                        self._context.send(peer.socket, abort)
+                    else:
+                        peer.owed_aborts.append(abort)
             return
         self._fail_sent_locked(reason, now)
 

@@ -16,7 +16,9 @@ nobody listened); only the answer to the latest Hello counts. A prefill answers 
 its old epochs' writes can still run.
 
 ``PrefillPeer`` is one prefill node as decode knows it: its control socket, what it writes into
-this node, when it was last heard from, its session and its control link.
+this node, when it was last heard from, its session and its control link, and the aborts it is
+owed (``owed_aborts``: requests failed before their pages while it counted dead), sent once its
+re-handshake is answered, so that its senders of them fail then rather than at their timeout.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +46,7 @@ from ..liveness import RECONNECT_IVL_MS, ControlLink
 log = logging.getLogger(__name__)
 
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 10.0  # backoff of the re-handshakes with a dead prefill
+OWED_ABORTS_MAX = 4096  # aborts kept for a dead prefill; beyond, the oldest rooms wait their timeout
 
 
 @dataclass
@@ -105,10 +109,16 @@ class PrefillPeer:
     session: PeerSession = field(default_factory=PeerSession)
     link: ControlLink = field(default_factory=ControlLink)
     staging: protocol.StagingArea | None = None  # our staging share it may write slices into
+    owed_aborts: deque[protocol.Abort] = field(default_factory=lambda: deque(maxlen=OWED_ABORTS_MAX))
 
     @property
     def alive(self) -> bool:
         return self.session.alive
+
+    def send_owed_aborts(self, send: Callable[[zmq.Socket, protocol.Message], None]) -> None:
+        """Send it the aborts it is owed (``owed_aborts``): its re-handshake was answered."""
+        while self.owed_aborts:
+            send(self.socket, self.owed_aborts.popleft())
 
     @property
     def epoch(self) -> int:

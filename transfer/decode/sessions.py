@@ -115,11 +115,6 @@ class PrefillPeer:
     def alive(self) -> bool:
         return self.session.alive
 
-    def send_owed_aborts(self, send: Callable[[zmq.Socket, protocol.Message], None]) -> None:
-        """Send it the aborts it is owed (``owed_aborts``): its re-handshake was answered."""
-        while self.owed_aborts:
-            send(self.socket, self.owed_aborts.popleft())
-
     @property
     def epoch(self) -> int:
         return self.session.epoch
@@ -138,6 +133,11 @@ class PrefillPeer:
             return f"prefill {self.endpoint} unpaired: {dropped}"
         log.warning("%s: prefill %s silent for %.1fs", node, self.endpoint, now - self.last_seen)
         return f"prefill {self.endpoint} unreachable (no heartbeat for {peer_timeout_s:.1f}s)"
+
+    def send_owed_aborts(self, send: Callable[[zmq.Socket, protocol.Message], None]) -> None:
+        """Send it the aborts it is owed (``owed_aborts``): its re-handshake was answered."""
+        while self.owed_aborts:
+            send(self.socket, self.owed_aborts.popleft())
 
     def watch_link(self, now: float) -> bool:
         """Follow the control connection's events; True once when the peer is dead and its

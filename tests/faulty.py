@@ -56,6 +56,7 @@ class FaultyBackend:
         self.inner = inner
         self.name = inner.name
         self.tick_ms = inner.tick_ms
+        self.needs_progress = inner.needs_progress
         self.fail_every = fail_every
         self.delay_s = delay_s
         self.flip_every = flip_every

@@ -3,7 +3,9 @@
 ``NodeRuntime`` registers the node's regions (its pool buffers and aux buffers) with the engine
 backend, and from then on owns the backend, a ZMQ context with the sockets the node makes on it
 (``socket``), and the ``ControlLoop`` that owns those sockets once started (``start``). Its tick,
-every ``backend.tick_ms``, runs ``backend.progress()``, then the node's tick, then copies the
+every ``tick_ms`` (the engine's ``backend.tick_ms``; for a ``paced`` node, whose tick is only its
+heartbeats and deadlines, ``Liveness.tick_ms``: decode over Mooncake every 50 ms at the default
+heartbeat), runs ``backend.progress()``, then the node's tick, then copies the
 loop's ``bad_messages`` and ``max_tick_gap_s`` into the node's counters where they changed (a write
 replaces the counters' whole struct under their lock: idle ticks need none). ``close`` stops the
 loop (which sends what is queued), closes every socket with the context — giving the messages still
@@ -37,11 +39,13 @@ class NodeRuntime:
     def __init__(self, name: str, backend: TransferBackend, regions: list[BufferDescriptor],
                  counters: Counters, *, on_message: OnMessage, on_tick: Callable[[float], None],
                  heartbeat_s: float, peer_timeout_s: float,
-                 on_round: Callable[[float], None] | None = None):
+                 on_round: Callable[[float], None] | None = None, paced: bool = False):
         self.name = name
         self.backend = backend
         self.counters = counters
         self.liveness = Liveness(heartbeat_s, peer_timeout_s)
+        self.tick_ms = (self.liveness.tick_ms(backend.tick_ms, needs_progress=backend.needs_progress)
+                        if paced else backend.tick_ms)
         self._on_tick = on_tick
         self._loop_figures = (0, 0.0)  # (bad_messages, max_tick_gap_s) as last copied
         self.closed = False
@@ -52,7 +56,7 @@ class NodeRuntime:
             self.closed = True
             backend.close()
             raise
-        self.loop = ControlLoop(name, on_message, self._tick, backend.tick_ms, on_round=on_round)
+        self.loop = ControlLoop(name, on_message, self._tick, self.tick_ms, on_round=on_round)
 
     def socket(self, kind: int, receive_limit: int) -> zmq.Socket:
         """A socket of ``kind`` on the runtime's context: no linger, messages larger than

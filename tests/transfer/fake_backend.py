@@ -22,6 +22,7 @@ _ids = itertools.count()
 class FakeBackend:
     name = "mooncake"  # handshakes compare backend names; the fake poses as the default
     tick_ms = 2
+    needs_progress = True  # ticks at 2 ms as NIXL's, so the fast logic tests stay fast
 
     def __init__(self, *, fail_every: int = 0):
         self.id = f"fake-{next(_ids)}"

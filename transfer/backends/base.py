@@ -67,6 +67,7 @@ class TransferBackend(Protocol):
 
     name: str
     tick_ms: int  # how often a node's control thread ticks over it (``progress``, heartbeats)
+    needs_progress: bool  # whether ``progress`` must run every ``tick_ms`` (NIXL's passive side)
 
     def register(self, regions: list[BufferDescriptor]) -> None:
         """Register each region once. Zero-length, null or duplicate regions are refused."""

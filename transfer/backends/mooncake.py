@@ -166,6 +166,7 @@ class MooncakeBackend(EngineBackend[_Peer]):
 
     name = "mooncake"
     tick_ms = 10  # the engine runs its own threads: a tick is only heartbeats and deadlines
+    needs_progress = False
     POLL_FIRST_S, POLL_MAX_S = 0.0001, 0.0005  # a write's pause between polls: doubled to the max
 
     def __init__(

@@ -130,6 +130,7 @@ class NixlBackend(EngineBackend[RegionTable]):
 
     name = "nixl"
     tick_ms = 2  # the passive side's ``progress`` every few ms (no progress thread)
+    needs_progress = True
 
     def __init__(self, *, host: str = "127.0.0.1", agent_name: str = "",
                  post_bytes: int = POST_BYTES, backend_params: dict[str, str] | None = None) -> None:

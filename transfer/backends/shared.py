@@ -93,6 +93,7 @@ class SharedUser:
         self._engine = shared.engine
         self.name = shared.name
         self.tick_ms = shared.engine.tick_ms
+        self.needs_progress = shared.engine.needs_progress
         self._regions: list[BufferDescriptor] = []
         self._closed = False
 

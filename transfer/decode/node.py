@@ -116,7 +116,7 @@ class DecodeNode:
             self._runtime = NodeRuntime(self.name, backend, regions, self.counters,
                                         on_message=self._on_message, on_tick=self._on_tick,
                                         on_round=self._release_held, heartbeat_s=heartbeat_s,
-                                        peer_timeout_s=peer_timeout_s)
+                                        peer_timeout_s=peer_timeout_s, paced=True)
         except BaseException:
             self._scatter.close()
             raise

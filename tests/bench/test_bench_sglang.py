@@ -12,12 +12,15 @@ import importlib.util
 import json
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from dsa_bridge.transfer.bench import sglang_pd
 from dsa_bridge.transfer.bench.command import DEFAULT_SECTIONS, SECTIONS, add_bench_parser
 from dsa_bridge.transfer.bench.sglang_pd import SGLANG_SIZES, Mode, summarize, wave_requests
+from dsa_bridge.transfer.bench.thread_cpu import cpu_by_thread, snapshot
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -84,6 +87,48 @@ def test_summary_per_connector_and_the_ratio_over_wave_pairs():
     assert sglang["prefill_cpu_s"] == pytest.approx(0.3)
     assert sglang["decode_cpu_s"] == pytest.approx(0.15)
     assert sglang["byte_exact"] and not bridge["byte_exact"]
+
+
+def test_summary_sums_each_process_cpu_per_thread_over_the_counted_waves():
+    waves = [{**wave("sglang", 0, 0.2), "decode_threads": {"native": 0.5, "MainThread": 0.1}},
+             {**wave("sglang", 1, 0.2), "decode_threads": {"native": 0.25, "HeartbeatChecker": 0.01}},
+             {**wave("sglang", -1, 0.2), "decode_threads": {"native": 9.0}},  # warm-up: not counted
+             {**wave("dsa-bridge", 0, 0.1), "decode_threads": {"decode-control": 0.02, "native": 0.7}},
+             wave("dsa-bridge", 1, 0.1)]  # a wave without per-thread figures adds nothing
+    (_, entry), = summarize(waves).items()
+    assert entry["sglang"]["decode_cpu_by_thread"] == {"native": 0.75, "MainThread": 0.1,
+                                                       "HeartbeatChecker": 0.01}
+    assert list(entry["sglang"]["decode_cpu_by_thread"]) == ["native", "MainThread", "HeartbeatChecker"]
+    assert entry["dsa-bridge"]["decode_cpu_by_thread"] == {"native": 0.7, "decode-control": 0.02}
+    assert entry["dsa-bridge"]["prefill_cpu_by_thread"] == {}
+
+
+def test_cpu_by_thread_is_the_difference_per_name_and_names_what_python_did_not_start():
+    before = {1: ("MainThread", 1.0), 2: ("native", 5.0), 3: ("native", 1.0), 4: ("gone", 3.0)}
+    after = {1: ("MainThread", 1.25), 2: ("native", 5.5), 3: ("native", 1.0), 5: ("new", 0.5),
+             6: ("idle", 0.0)}
+    assert cpu_by_thread(before, after) == {"native": 0.5, "new": 0.5, "MainThread": 0.25}
+    done, spent = threading.Event(), {}
+
+    def burn():  # a Python thread's CPU is found under its name, an idle one's is not
+        start = time.thread_time()
+        while time.thread_time() - start < 0.2:
+            pass
+        spent["s"] = time.thread_time() - start
+        done.wait(10)
+
+    first = snapshot()
+    burner = threading.Thread(target=burn, name="burner")
+    burner.start()
+    try:
+        deadline = time.monotonic() + 10
+        while "s" not in spent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        threads = cpu_by_thread(first, snapshot())
+    finally:
+        done.set()
+        burner.join(10)
+    assert 0.15 <= threads["burner"] <= 0.35, threads  # clock ticks of 10 ms
 
 
 def test_summary_keeps_modes_apart_and_a_slower_dsa_bridge_misses_the_target():

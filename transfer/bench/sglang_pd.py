@@ -18,9 +18,10 @@ queue) — then the timed window, from prefill's first ``send`` to the moment de
 request Success; then decode compares every request's KV, indexer and aux bytes with prefill's.
 Each connector's first wave of a mode is a warm-up (its connections made, its pages touched):
 checked, not counted.
-Per connector and mode: ms per request, GB/s, each process's CPU seconds in the windows; the
-ratio dsa-bridge / sglang is the median, over wave pairs, of sglang's wave seconds over
-dsa-bridge's (above 1: dsa-bridge faster).
+Per connector and mode: ms per request, GB/s, each process's CPU seconds in the windows (also
+per thread: decode's is mostly the engine's receiving copy); the ratio dsa-bridge / sglang is
+the median, over wave pairs, of sglang's wave seconds over dsa-bridge's (above 1: dsa-bridge
+faster).
 
 This module does not import sglang: the bench process only drives the ranks.
 """
@@ -106,9 +107,11 @@ def summarize(waves: list[dict]) -> dict:
     """Per mode (``"in_flight x tokens"``): each connector's ms per request (median over its
     waves), GB/s (all its bytes over all its windows), CPU seconds of each process summed over
     the windows, and the ratio dsa-bridge / sglang (median over wave pairs of sglang's seconds
-    over dsa-bridge's) with whether it meets ``TARGET_RATIO``. Each wave: ``connector``,
-    ``in_flight``, ``tokens``, ``pair`` (which wave pair; -1: a warm-up wave, not counted),
-    ``seconds``, ``nbytes``, ``prefill_cpu_s``, ``decode_cpu_s``, ``mismatched``."""
+    over dsa-bridge's) with whether it meets ``TARGET_RATIO``; each process's CPU seconds per
+    thread name summed over the windows (``..._cpu_by_thread``), where the waves have them. Each
+    wave: ``connector``, ``in_flight``, ``tokens``, ``pair`` (which wave pair; -1: a warm-up
+    wave, not counted), ``seconds``, ``nbytes``, ``prefill_cpu_s``, ``decode_cpu_s``,
+    ``mismatched``, and optionally ``prefill_threads`` and ``decode_threads`` (name -> CPU s)."""
     modes: dict[str, dict] = {}
     waves = [w for w in waves if w["pair"] >= 0]  # not the warm-up waves
     for name in dict.fromkeys(f"{w['in_flight']} x {w['tokens']}" for w in waves):
@@ -124,6 +127,8 @@ def summarize(waves: list[dict]) -> dict:
                 "gbps": sum(w["nbytes"] for w in mine) / seconds / 1e9,
                 "prefill_cpu_s": sum(w["prefill_cpu_s"] for w in mine),
                 "decode_cpu_s": sum(w["decode_cpu_s"] for w in mine),
+                "prefill_cpu_by_thread": summed(w.get("prefill_threads", {}) for w in mine),
+                "decode_cpu_by_thread": summed(w.get("decode_threads", {}) for w in mine),
                 "byte_exact": all(not w["mismatched"] for w in mine),
             }
         by_pair = {}
@@ -134,6 +139,15 @@ def summarize(waves: list[dict]) -> dict:
         entry["target_met"] = entry["ratio"] >= TARGET_RATIO
         modes[name] = entry
     return modes
+
+
+def summed(counts) -> dict[str, float]:
+    """Per-name sums of ``counts`` (name -> seconds), largest first."""
+    total: dict[str, float] = {}
+    for count in counts:
+        for name, seconds in count.items():
+            total[name] = total.get(name, 0.0) + seconds
+    return {name: round(s, 3) for name, s in sorted(total.items(), key=lambda kv: -kv[1])}
 
 
 def rank_process(connector: str, role: str) -> Driven:
@@ -191,6 +205,7 @@ class ConnectorPair:
                 "pair": pair, "seconds": received["end"] - sent["start"],
                 "nbytes": checked["nbytes"], "mismatched": checked["mismatched"],
                 "prefill_cpu_s": sent["cpu_s"], "decode_cpu_s": received["cpu_s"],
+                "prefill_threads": sent["threads"], "decode_threads": received["threads"],
                 "prefill_seconds": sent["end"] - sent["start"],  # to prefill's last Success
                 "prepare_s": prepared - started, "verify_s": time.monotonic() - moved}
 
@@ -255,3 +270,9 @@ def print_section(section: dict) -> None:
             print(f"{name:18} {connector:10} {row['requests']:>8} {row['ms_per_request']:>7.1f} "
                   f"{row['gbps']:>6.2f} {row['prefill_cpu_s']:>13.2f} {row['decode_cpu_s']:>12.2f} "
                   f"{'yes' if row['byte_exact'] else 'NO':>5} {ratio:>6}")
+    print("decode CPU s by thread, the four largest:")
+    for name, entry in section["modes"].items():
+        for connector in CONNECTORS:
+            threads = list(entry[connector]["decode_cpu_by_thread"].items())[:4]
+            print(f"  {name:18} {connector:10} "
+                  + ", ".join(f"{thread} {seconds:.2f}" for thread, seconds in threads))

@@ -22,7 +22,8 @@ drives the rank over a ZMQ PAIR socket; each command (a msgpack map) gets one an
   request, as a prefill that finished its forward does, then polled to Success (the inflight
   queue) and cleared. ``wait`` (decode): the receivers polled to Success (the transfer queue),
   each one's time of Success, then cleared. Both answer their window's monotonic clock times
-  and the process's CPU seconds in it (every thread: the engine's too).
+  and the process's CPU seconds in it (every thread: the engine's too), also per thread
+  (``thread_cpu``).
 - ``verify`` (decode): each request's pages and aux row against the bytes prefill wrote: the
   buffers that differ, and the bytes compared.
 - ``quit``.
@@ -46,6 +47,7 @@ import torch
 
 from .channel import serve_commands
 from .sglang_pd import PAGE
+from .thread_cpu import cpu_by_thread, snapshot
 
 SENTINEL = 0xA5
 POLL_S = 0.001  # how often a waiting queue polls its requests
@@ -252,18 +254,20 @@ class Rank:
 
     def go(self) -> dict:
         """Prefill's timed window: every request sent, then polled to Success."""
-        start, cpu = time.monotonic(), time.process_time()
+        threads, start, cpu = snapshot(), time.monotonic(), time.process_time()
         for sender, pages, slot in self.requests:
             sender.init(len(pages), slot)
             sender.send(pages, [pages])
         ended = self.poll_to_end()
-        return {"start": start, "end": ended, "cpu_s": time.process_time() - cpu}
+        return {"start": start, "end": ended, "cpu_s": time.process_time() - cpu,
+                "threads": cpu_by_thread(threads, snapshot())}
 
     def wait(self) -> dict:
         """Decode's side of the window: the receivers polled to Success."""
-        start, cpu = time.monotonic(), time.process_time()
+        threads, start, cpu = snapshot(), time.monotonic(), time.process_time()
         ended = self.poll_to_end()
-        return {"start": start, "end": ended, "cpu_s": time.process_time() - cpu}
+        return {"start": start, "end": ended, "cpu_s": time.process_time() - cpu,
+                "threads": cpu_by_thread(threads, snapshot())}
 
     def poll_to_end(self) -> float:
         """Poll every request until each is Success or Failed (raised); the time the last one

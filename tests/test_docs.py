@@ -30,7 +30,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SOURCE_DIRS = ("plugin", "transfer", "tests", ".ci")
+SOURCE_DIRS = ("plugin", "transfer", "tests", ".ci", "scripts")
 SOURCE_SUFFIXES = {".py", ".toml", ".json", ""}  # "": the .ci scripts
 PACKAGES = {"dsa_bridge.plugin": "plugin", "dsa_bridge.transfer": "transfer"}
 

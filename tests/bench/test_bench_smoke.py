@@ -9,8 +9,10 @@ and full runs measure the pool on the request length the docs report.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +114,19 @@ def test_tiny_bench_reports_every_figure(backend, tmp_path):
 
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [
         "bench_gbps_vs_length.png", "bench_plan_cost.png"]
+
+
+def test_the_idle_cpu_script_reports_each_control_thread_of_a_real_node_pair():
+    """``scripts/idle-cpu`` (docs/sglang.md's idle figures): a real prefill and decode node over
+    Mooncake, idle for a second; one line with both threads' ms of CPU a second (not how many:
+    that is a measurement, not a test)."""
+    require_engine("mooncake")
+    script = Path(__file__).resolve().parents[2] / "scripts" / "idle-cpu"
+    done = subprocess.run([sys.executable, str(script), "--engines", "mooncake", "--seconds", "1"],
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line, = [ln for ln in done.stdout.splitlines() if ln.startswith("mooncake:")]
+    figures = re.fullmatch(r"mooncake: idle control thread CPU, ms a second: "
+                           r"prefill (\d+\.\d), decode (\d+\.\d)", line)
+    assert figures is not None, line
+    assert all(0 <= float(f) < 1000 for f in figures.groups())

@@ -45,7 +45,8 @@ def test_an_unknown_section_is_refused_naming_the_choices(capsys):
 def test_the_sizes_move_the_issues_requests_and_fit_their_pools():
     quick = SGLANG_SIZES["quick"]
     assert quick.layers == 61  # DeepSeek-V3.2, every layer
-    assert quick.modes == (Mode(1, 8, 8192), Mode(8, 32, 2048))
+    assert quick.modes == (Mode(1, 8, 8192), Mode(8, 32, 2048), Mode(8, 16, 2048, busy=True))
+    assert [m.name for m in quick.modes] == ["1 x 8192", "8 x 2048", "8 x 2048, busy"]
     for sizes in SGLANG_SIZES.values():
         for mode in sizes.modes:
             assert mode.requests % mode.in_flight == 0 and mode.tokens % 64 == 0
@@ -133,9 +134,13 @@ def test_cpu_by_thread_is_the_difference_per_name_and_names_what_python_did_not_
 
 def test_summary_keeps_modes_apart_and_a_slower_dsa_bridge_misses_the_target():
     waves = [wave("sglang", 0, 0.18, in_flight=1), wave("dsa-bridge", 0, 0.2, in_flight=1),
-             wave("sglang", 0, 1.0, in_flight=8), wave("dsa-bridge", 0, 0.8, in_flight=8)]
+             wave("sglang", 0, 1.0, in_flight=8), wave("dsa-bridge", 0, 0.8, in_flight=8),
+             {**wave("sglang", 0, 3.0, in_flight=8), "busy": True},
+             {**wave("dsa-bridge", 0, 1.0, in_flight=8), "busy": True}]
     modes = summarize(waves)
-    assert list(modes) == ["1 x 128", "8 x 128"]
+    assert list(modes) == ["1 x 128", "8 x 128", "8 x 128, busy"]
+    assert modes["8 x 128, busy"]["ratio"] == pytest.approx(3.0) and modes["8 x 128, busy"]["busy"]
+    assert not modes["8 x 128"]["busy"]
     assert modes["1 x 128"]["ratio"] == pytest.approx(0.9) and not modes["1 x 128"]["target_met"]
     assert modes["8 x 128"]["ratio"] == pytest.approx(1.25) and modes["8 x 128"]["target_met"]
     assert modes["8 x 128"]["sglang"]["ms_per_request"] == pytest.approx(125)

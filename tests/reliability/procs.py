@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from .. import forkserver
+from ..integration.processes import cli
 from .netns import Host
 
 # PYTHONFAULTHANDLER: a node that ignores SIGTERM gets SIGABRT, which dumps its threads' stacks
@@ -144,11 +145,6 @@ class Processes:
         if hung:
             raise Hang("did not exit on SIGTERM: " + "; ".join(
                 f"{n.name} (pid {n.pid}):\n{n.hung}\n{n.output()[-4000:]}" for n in hung))
-
-
-def cli(*arguments: str) -> list[str]:
-    """The real command, with the test-only fault hook (tests/fault_cli.py)."""
-    return [sys.executable, "-m", "tests.fault_cli", *arguments]
 
 
 def wait_file(node: Node, path: Path, timeout_s: float = READY_TIMEOUT_S) -> dict:

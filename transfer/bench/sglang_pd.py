@@ -51,11 +51,19 @@ ROOM_BASE = 2**40
 
 @dataclass(frozen=True)
 class Mode:
-    """``requests`` requests of ``tokens`` tokens each, ``in_flight`` at a time."""
+    """``requests`` requests of ``tokens`` tokens each, ``in_flight`` at a time. ``busy``: the
+    ranks wait as sglang's scheduler loop does while a transfer is in flight (it never sleeps,
+    and hands the GIL over once a pass with ``time.sleep(0)``: its ``on_idle`` in PD mode), not
+    with 1 ms sleeps between polls; each process's CPU in the window is then mostly that loop's."""
 
     in_flight: int
     requests: int
     tokens: int
+    busy: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.in_flight} x {self.tokens}" + (", busy" if self.busy else "")
 
     @property
     def pages(self) -> int:
@@ -82,9 +90,11 @@ class PDSizes:
 
 
 SGLANG_SIZES = {
-    "full": PDSizes(layers=61, modes=(Mode(1, 16, 8192), Mode(8, 64, 2048))),
-    "quick": PDSizes(layers=61, modes=(Mode(1, 8, 8192), Mode(8, 32, 2048))),
-    "tiny": PDSizes(layers=4, modes=(Mode(1, 2, 256), Mode(2, 4, 128))),
+    "full": PDSizes(layers=61, modes=(Mode(1, 16, 8192), Mode(8, 64, 2048),
+                                      Mode(8, 32, 2048, busy=True))),
+    "quick": PDSizes(layers=61, modes=(Mode(1, 8, 8192), Mode(8, 32, 2048),
+                                       Mode(8, 16, 2048, busy=True))),
+    "tiny": PDSizes(layers=4, modes=(Mode(1, 2, 256), Mode(2, 4, 128), Mode(2, 2, 128, busy=True))),
 }
 
 
@@ -99,24 +109,31 @@ def sglang_problem() -> str | None:
 def wave_requests(mode: Mode, wave: int) -> list[list[int]]:
     """A wave's requests as (bootstrap room, slot, pages): the same rooms on both connectors
     (wave -1: the warm-up)."""
-    first = ROOM_BASE + 1000 * (wave + 1) + 100 * mode.in_flight
+    first = ROOM_BASE + 10**6 * mode.busy + 1000 * (wave + 1) + 100 * mode.in_flight
     return [[first + slot, slot, mode.pages] for slot in range(mode.in_flight)]
 
 
 def summarize(waves: list[dict]) -> dict:
-    """Per mode (``"in_flight x tokens"``): each connector's ms per request (median over its
-    waves), GB/s (all its bytes over all its windows), CPU seconds of each process summed over
-    the windows, and the ratio dsa-bridge / sglang (median over wave pairs of sglang's seconds
-    over dsa-bridge's) with whether it meets ``TARGET_RATIO``; each process's CPU seconds per
-    thread name summed over the windows (``..._cpu_by_thread``), where the waves have them. Each
-    wave: ``connector``, ``in_flight``, ``tokens``, ``pair`` (which wave pair; -1: a warm-up
-    wave, not counted), ``seconds``, ``nbytes``, ``prefill_cpu_s``, ``decode_cpu_s``,
-    ``mismatched``, and optionally ``prefill_threads`` and ``decode_threads`` (name -> CPU s)."""
+    """Per mode (``Mode.name``: ``"in_flight x tokens"``, then ``", busy"`` for a busy
+    scheduler loop): each connector's ms per request (median over its waves), GB/s (all its
+    bytes over all its windows), CPU seconds of each process summed over the windows, and the
+    ratio dsa-bridge / sglang (median over wave pairs of sglang's seconds over dsa-bridge's)
+    with whether it meets ``TARGET_RATIO``; each process's CPU seconds per thread name summed
+    over the windows (``..._cpu_by_thread``), where the waves have them. Each wave:
+    ``connector``, ``in_flight``, ``tokens``, ``busy`` (absent: False), ``pair`` (which wave
+    pair; -1: a warm-up wave, not counted), ``seconds``, ``nbytes``, ``prefill_cpu_s``,
+    ``decode_cpu_s``, ``mismatched``, and optionally ``prefill_threads`` and
+    ``decode_threads`` (name -> CPU s)."""
     modes: dict[str, dict] = {}
     waves = [w for w in waves if w["pair"] >= 0]  # not the warm-up waves
-    for name in dict.fromkeys(f"{w['in_flight']} x {w['tokens']}" for w in waves):
-        rows = [w for w in waves if f"{w['in_flight']} x {w['tokens']}" == name]
-        entry: dict = {"in_flight": rows[0]["in_flight"], "tokens": rows[0]["tokens"]}
+
+    def mode_of(w: dict) -> str:
+        return Mode(w["in_flight"], 0, w["tokens"], w.get("busy", False)).name
+
+    for name in dict.fromkeys(mode_of(w) for w in waves):
+        rows = [w for w in waves if mode_of(w) == name]
+        entry: dict = {"in_flight": rows[0]["in_flight"], "tokens": rows[0]["tokens"],
+                       "busy": rows[0].get("busy", False)}
         for connector in CONNECTORS:
             mine = [w for w in rows if w["connector"] == connector]
             seconds = sum(w["seconds"] for w in mine)
@@ -196,13 +213,13 @@ class ConnectorPair:
         self.decode.reply()
         self.prefill.reply()
         prepared = time.monotonic()
-        self.decode.submit("wait")
-        sent = self.prefill.call("go")
+        self.decode.submit("wait", busy=mode.busy)
+        sent = self.prefill.call("go", busy=mode.busy)
         received = self.decode.reply()
         moved = time.monotonic()
         checked = self.decode.call("verify")
         return {"connector": self.connector, "in_flight": mode.in_flight, "tokens": mode.tokens,
-                "pair": pair, "seconds": received["end"] - sent["start"],
+                "busy": mode.busy, "pair": pair, "seconds": received["end"] - sent["start"],
                 "nbytes": checked["nbytes"], "mismatched": checked["mismatched"],
                 "prefill_cpu_s": sent["cpu_s"], "decode_cpu_s": received["cpu_s"],
                 "prefill_threads": sent["threads"], "decode_threads": received["threads"],
@@ -239,7 +256,8 @@ def run_section(size: str, progress) -> dict:
                 for pair in pairs:  # A B A B ...
                     waves.append(pair.wave(mode, number))
             progress(f"sglang section: {mode.requests} x {mode.tokens} tokens, "
-                     f"{mode.in_flight} in flight, done at {time.monotonic() - started:.0f} s")
+                     f"{mode.in_flight} in flight{', busy' if mode.busy else ''}, "
+                     f"done at {time.monotonic() - started:.0f} s")
     finally:
         for pair in pairs:
             pair.stop()

@@ -21,9 +21,10 @@ drives the rank over a ZMQ PAIR socket; each command (a msgpack map) gets one an
 - ``go`` (prefill): the timed window starts: ``init`` and one ``send(pages, [pages])`` per
   request, as a prefill that finished its forward does, then polled to Success (the inflight
   queue) and cleared. ``wait`` (decode): the receivers polled to Success (the transfer queue),
-  each one's time of Success, then cleared. Both answer their window's monotonic clock times
-  and the process's CPU seconds in it (every thread: the engine's too), also per thread
-  (``thread_cpu``).
+  each one's time of Success, then cleared. Both poll with 1 ms sleeps between passes, or,
+  ``busy`` (``Mode.busy``), as sglang's scheduler loop does. Both answer their window's
+  monotonic clock times and the process's CPU seconds in it (every thread: the engine's too),
+  also per thread (``thread_cpu``).
 - ``verify`` (decode): each request's pages and aux row against the bytes prefill wrote: the
   buffers that differ, and the bytes compared.
 - ``quit``.
@@ -252,26 +253,29 @@ class Rank:
             if handle.poll() == KVPoll.Failed:
                 raise RuntimeError(f"{self.role} {phase} failed: {reason_of(handle)}")
 
-    def go(self) -> dict:
+    def go(self, busy: bool = False) -> dict:
         """Prefill's timed window: every request sent, then polled to Success."""
         threads, start, cpu = snapshot(), time.monotonic(), time.process_time()
         for sender, pages, slot in self.requests:
             sender.init(len(pages), slot)
             sender.send(pages, [pages])
-        ended = self.poll_to_end()
+        ended = self.poll_to_end(busy)
         return {"start": start, "end": ended, "cpu_s": time.process_time() - cpu,
                 "threads": cpu_by_thread(threads, snapshot())}
 
-    def wait(self) -> dict:
+    def wait(self, busy: bool = False) -> dict:
         """Decode's side of the window: the receivers polled to Success."""
         threads, start, cpu = snapshot(), time.monotonic(), time.process_time()
-        ended = self.poll_to_end()
+        ended = self.poll_to_end(busy)
         return {"start": start, "end": ended, "cpu_s": time.process_time() - cpu,
                 "threads": cpu_by_thread(threads, snapshot())}
 
-    def poll_to_end(self) -> float:
+    def poll_to_end(self, busy: bool = False) -> float:
         """Poll every request until each is Success or Failed (raised); the time the last one
-        was seen Success. Each is cleared, as sglang's queues do."""
+        was seen Success. Each is cleared, as sglang's queues do. Between passes: ``POLL_S``
+        asleep, or (``busy``) only ``time.sleep(0)``, as sglang's scheduler loop while a
+        transfer is in flight (``Scheduler.on_idle`` in PD mode: "transfer workers need the GIL
+        between I/O calls")."""
         from sglang.srt.disaggregation.base.conn import KVPoll
 
         done: dict[int, float] = {}
@@ -282,7 +286,7 @@ class Rank:
                     done[i] = time.monotonic()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.role}: requests not done in {STEP_TIMEOUT_S:.0f} s")
-            time.sleep(POLL_S)
+            time.sleep(0 if busy else POLL_S)
         self.raise_failed("transfer")
         for handle, _, _ in self.requests:
             handle.clear()

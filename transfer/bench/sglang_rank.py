@@ -274,8 +274,8 @@ class Rank:
         """Poll every request until each is Success or Failed (raised); the time the last one
         was seen Success. Each is cleared, as sglang's queues do. Between passes: ``POLL_S``
         asleep, or (``busy``) only ``time.sleep(0)``, as sglang's scheduler loop while a
-        transfer is in flight (``Scheduler.on_idle`` in PD mode: "transfer workers need the GIL
-        between I/O calls")."""
+        transfer is in flight (``event_loop_normal_disagg_decode`` calls ``Scheduler.on_idle``,
+        which in PD mode sleeps 0 s: "transfer workers need the GIL between I/O calls")."""
         from sglang.srt.disaggregation.base.conn import KVPoll
 
         done: dict[int, float] = {}

@@ -286,6 +286,25 @@ def test_an_unclaimed_reservation_is_refused_at_prefills_timeout(engine, made):
     assert receiver.can_release()
 
 
+def test_a_sender_made_after_its_room_was_refused_as_unclaimed_fails_at_once(engine, made):
+    """decode's pages, or its reservation, refused because no sender came within prefill's
+    timeout: a sender the application makes just after fails at once, saying why, instead of
+    waiting its whole timeout for pages that decode, already failed, will never send again."""
+    prefill = prefill_node(engine, made, request_timeout_s=1.5)
+    decode = decode_node(engine, made, [prefill])
+    announced = decode.receiver(13)
+    announced.init(np.arange(1, 3), num_tokens=128)
+    reserving = decode.receiver(14, reserve=True)
+    reserved(prefill, 14)
+    for receiver in (announced, reserving):
+        wait_for(lambda r=receiver: r.poll() == KVPoll.Failed, 10, "the refusal")
+        assert "no prefill request for this room" in str(receiver.failure_exception())
+    for room in (13, 14):
+        sender = prefill.sender(room)
+        assert sender.poll() == KVPoll.Failed, room  # at once, not after its own 1.5 s
+        assert "no sender came within 1.5s" in str(sender.failure_exception())
+
+
 def test_malformed_rooms_are_dropped_and_counted(engine, made, readiness):
     prefill = prefill_node(engine, made)
     decode = decode_node(engine, made, [prefill])

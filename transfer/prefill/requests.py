@@ -464,17 +464,21 @@ class RequestBook:
 
     def refuse_unclaimed_locked(self, now: float) -> None:
         """Refuse the requests decode announced or reserved that no sender claimed within the
-        timeout."""
+        timeout; a sender made for one later (within the timeout again) fails at once, as one
+        whose destination was lost."""
         unclaimed = "no prefill request for this room"
+        late = f"decode's request was refused: no sender came within {self.request_timeout_s:g}s"
         for request in list(self.requests.values()):
             if request.sender is not None:
                 continue
             destinations = request.destinations
             if destinations is not None and \
                     now - destinations.members[0].received_at > self.request_timeout_s:
+                request.lose(late, now)
                 self._drop_destinations_locked(request, unclaimed)
             for reservation in list(request.reservations):
                 if now - reservation.received_at > self.request_timeout_s:
+                    request.lose(late, now)
                     request.unreserve(reservation.peer)
                     self._reporter.refuse(reservation.peer, request.room, unclaimed)
             self._prune_locked(request)

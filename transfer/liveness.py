@@ -43,7 +43,8 @@ class Liveness:
     def tick_ms(self, engine_tick_ms: int, *, needs_progress: bool) -> int:
         """How often a node ticks whose tick is only its heartbeats and deadlines: its engine's
         tick where the engine needs ``progress`` from it (NIXL); otherwise ``TICKS_PER_HEARTBEAT``
-        times a heartbeat, at least every ``SLOW_TICK_MS``, never more often than the engine's."""
+        ticks a heartbeat interval, at least one every ``SLOW_TICK_MS``, never more often than
+        the engine's."""
         if needs_progress:
             return engine_tick_ms
         paced = int(self.heartbeat_s * 1e3 / TICKS_PER_HEARTBEAT)

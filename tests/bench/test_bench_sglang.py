@@ -104,7 +104,7 @@ def test_summary_sums_each_process_cpu_per_thread_over_the_counted_waves():
     assert entry["dsa-bridge"]["prefill_cpu_by_thread"] == {}
 
 
-def test_cpu_by_thread_is_the_difference_per_name_and_names_what_python_did_not_start():
+def test_cpu_by_thread_is_the_difference_per_name_and_finds_a_python_thread_by_its_name():
     before = {1: ("MainThread", 1.0), 2: ("native", 5.0), 3: ("native", 1.0), 4: ("gone", 3.0)}
     after = {1: ("MainThread", 1.25), 2: ("native", 5.5), 3: ("native", 1.0), 5: ("new", 0.5),
              6: ("idle", 0.0)}

@@ -20,6 +20,7 @@ from dsa_bridge.transfer.bench import vllm as vllm_section
 from dsa_bridge.transfer.bench.channel import Driven
 from dsa_bridge.transfer.bench.command import SECTIONS
 from dsa_bridge.transfer.bench.vllm import (
+    PAGE,
     TARGETS,
     VLLM_SIZES,
     Mode,
@@ -28,6 +29,7 @@ from dsa_bridge.transfer.bench.vllm import (
     process_cpu_s,
     summarize,
 )
+from dsa_bridge.transfer.bench.vllm_rank import MODEL, max_model_len
 
 from .conftest import VLLM_MISSING
 
@@ -85,6 +87,14 @@ def test_sizes_fit_their_modes():
     assert Mode(1, 64, 1, True).runs() == [("vllm", "pull"), ("dsa-bridge", "direct"),
                                            ("dsa-bridge", "staged")]
     assert "vllm" in SECTIONS
+
+
+def test_every_size_builds_a_model_config_vllm_accepts():
+    """vLLM refuses a max_model_len above the model's max_position_embeddings: the full
+    sizes' 272 blocks once asked for 17,344 tokens of a 16,384-token model."""
+    for sizes in VLLM_SIZES.values():
+        longest = max(m.tokens for m in sizes.modes) + PAGE  # a prompt and its sampled token
+        assert longest <= max_model_len(sizes.blocks) <= MODEL["max_position_embeddings"]
 
 
 def test_the_section_says_it_is_skipped_where_vllm_is_not_installed(monkeypatch, capsys):

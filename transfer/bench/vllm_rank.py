@@ -73,6 +73,12 @@ MODEL = {
     "norm_topk_prob": True, "hidden_act": "silu"}
 
 
+def max_model_len(blocks: int) -> int:
+    """The longest request a cache of ``blocks`` blocks holds (one block kept free), within
+    what the model's positions allow (vLLM refuses a config above them)."""
+    return min((blocks - 1) * PAGE, MODEL["max_position_embeddings"])
+
+
 def cpu_seconds() -> float:
     return time.process_time()  # every thread of the process: the engine's too
 
@@ -179,7 +185,7 @@ class Instance:
 
         layers = json.loads(Path(model_dir, "config.json").read_text())["num_hidden_layers"]
         args = EngineArgs(model=model_dir, skip_tokenizer_init=True, load_format="dummy",
-                          kv_cache_dtype="fp8_ds_mla", max_model_len=(blocks - 1) * PAGE,
+                          kv_cache_dtype="fp8_ds_mla", max_model_len=max_model_len(blocks),
                           enforce_eager=True, enable_prefix_caching=False,
                           kv_transfer_config=KVTransferConfig(
                               kv_connector="DSABridgeConnector",

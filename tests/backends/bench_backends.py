@@ -1,4 +1,5 @@
-"""Throughput of both backends between two processes on this host, and NIXL's two request paths.
+"""Throughput of both backends between two processes on this host, NIXL's two request paths,
+and NIXL without its worker threads (``num_threads`` 0, beside the default ``UCX_PARAMS``).
 
 Run: ``python -m tests.backends.bench_backends [--repeat 5]`` from the repository root. Prints one
 line per case: median GB/s over ``--repeat`` runs (and the request set-up time for NIXL paths).
@@ -54,15 +55,16 @@ def median_rate(
     return statistics.median(rates), statistics.median(extras)
 
 
-def bench_backend(name: str, repeat: int) -> None:
+def bench_backend(name: str, repeat: int, backend_params: dict[str, str] | None = None) -> None:
     peer = start_peer(name, BYTES, lifetime_s=600)
-    backend = create_backend(name)
+    backend = create_backend(name, **({"backend_params": backend_params} if backend_params else {}))
     try:
         source = np.random.default_rng(1).integers(0, 256, BYTES, dtype=np.uint8)
         backend.register([raw_region(source.ctypes.data, source.nbytes)])
         local = Local(backend, source)
         handle = backend.connect(peer.metadata)
-        print(f"{name}: transport {backend.transport()}")
+        print(f"{name}{f' {backend_params}' if backend_params else ''}: transport "
+              f"{backend.transport()}")
 
         def write(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> float:
             backend.write(handle, src, dst, length, timeout_s=60)
@@ -71,7 +73,7 @@ def bench_backend(name: str, repeat: int) -> None:
         for label, args in cases(local, peer).items():
             rate, _ = median_rate(write, args, repeat)
             print(f"  {label:36s} {rate:6.2f} GB/s")
-        if name == "nixl":
+        if name == "nixl" and not backend_params:
             bench_nixl_paths(backend, handle, local, peer, repeat)
     finally:
         backend.close()
@@ -133,6 +135,8 @@ def main() -> None:
     args = parser.parse_args()
     for name in args.backend or BACKENDS:
         bench_backend(name, args.repeat)
+        if name == "nixl":
+            bench_backend(name, args.repeat, {"num_threads": "0"})
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ import pytest
 
 from dsa_bridge.transfer.backends import BACKENDS, create_backend
 from dsa_bridge.transfer.backends.base import BackendError, BackendUnavailable
+from dsa_bridge.transfer.backends.nixl import UCX_PARAMS
+
+from ..conftest import require_engine
 
 ENGINE_MODULES = {
     "mooncake": ("mooncake", "mooncake.engine"),
@@ -85,3 +88,20 @@ def test_mooncake_refuses_more_entries_in_flight_than_a_peer_takes(options: dict
     or stalls to its transfer timeout (measured): refused before an engine starts."""
     with pytest.raises(BackendError, match="must be between 1 and 2048"):
         create_backend("mooncake", **options)
+
+
+def test_nixl_posts_on_worker_threads_unless_the_operator_says_otherwise() -> None:
+    """NIXL's UCX backend splits a post of over ``split_batch_size`` descriptors across
+    ``num_threads`` workers: a fragmented write moves about 1.5x faster (docs/engines.md). Given
+    backend parameters win over these defaults; the others stay."""
+    require_engine("nixl")
+    threaded = create_backend("nixl")
+    told = create_backend("nixl", backend_params={"num_threads": "0"})
+    try:
+        assert threaded._agent.get_backend_params("UCX") == UCX_PARAMS == {
+            "num_threads": "2", "split_batch_size": "32"}
+        assert told._agent.get_backend_params("UCX") == {"num_threads": "0",
+                                                         "split_batch_size": "32"}
+    finally:
+        threaded.close()
+        told.close()

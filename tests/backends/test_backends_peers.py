@@ -8,12 +8,13 @@ import signal
 import socket
 import threading
 import time
+from itertools import pairwise
 
 import numpy as np
 import pytest
 
 from dsa_bridge.plugin.descriptors import raw_region
-from dsa_bridge.transfer.backends import create_backend
+from dsa_bridge.transfer.backends import create_backend, nixl
 from dsa_bridge.transfer.backends.base import BackendError, TransferTimeout
 
 from ..conftest import require_engine
@@ -76,6 +77,31 @@ def test_disconnect_closes_every_connection_to_a_departed_peer(local, victim, ho
     wait_for(all_closed, 10, f"every connection to ports {sorted(ports)} closed")
     with pytest.raises(BackendError, match="unknown peer"):
         spread_write(local, victim, handle, timeout_s=2)
+
+
+def test_nixl_wakes_its_worker_threads_five_times_after_a_disconnect(local, peer,
+                                                                     monkeypatch) -> None:
+    """A departed peer's connections on NIXL's worker threads close only when each worker is
+    next driven: ``disconnect`` posts a wake, and ``progress()`` four more, 50 ms apart (a
+    thread that the machine's load kept asleep through one gets the next)."""
+    if local.backend.name != "nixl":
+        pytest.skip("NIXL's worker threads")
+    wake = local.backend._wake
+    posts = []
+    monkeypatch.setattr(wake, "post", lambda backend: posts.append(time.monotonic()))
+    local.backend.disconnect(local.backend.connect(peer.metadata))
+    assert len(posts) == 1
+    deadline = time.monotonic() + 5
+    while len(posts) < nixl.WAKE_REPEATS and time.monotonic() < deadline:
+        local.backend.progress()
+        time.sleep(0.005)
+    for _ in range(20):  # no more after that
+        local.backend.progress()
+    assert len(posts) == nixl.WAKE_REPEATS
+    assert min(b - a for a, b in pairwise(posts)) >= 0.9 * nixl.WAKE_GAP_S  # recorded a bit late
+    unthreaded = create_backend("nixl", backend_params={"num_threads": "0"})
+    assert unthreaded._wake is None  # nothing to wake
+    unthreaded.close()
 
 
 def test_a_disconnected_live_peer_can_connect_again(connected) -> None:

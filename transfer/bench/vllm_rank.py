@@ -17,7 +17,7 @@ The bench process drives it over a ZMQ PAIR socket; each command gets one answer
 - ``prefill`` (prefill): the requests (id, tokens) with ``do_remote_decode``, each one's pages
   filled by the forward with the launcher's pattern of its number (every layer, both caches),
   stepped until all finished and once more (their senders made); answers their
-  ``kv_transfer_params``; ``route`` is the prefill node's for them (``direct``, ``staged``);
+  ``kv_transfer_params``; ``route`` is the prefill node's for them (``direct``, ``staged``, ``auto``);
 - ``drain`` (prefill): stepped until every held block is back in vLLM's pool; the node's bytes
   and descriptors written since the last ``drain``;
 - ``order``: vLLM's free block list reordered: ``sorted`` (a request's blocks one run) or

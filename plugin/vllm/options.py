@@ -23,6 +23,7 @@ _DEFAULTS: dict[str, Any] = {
     "request_timeout_s": 60.0,  # a request not written by then fails (both sides)
     "handshake_timeout_s": 10.0,  # decode's handshake with a prefill it has not met yet
     "peer_timeout_s": 5.0,  # a peer silent this long is taken for dead
+    "num_threads": None,  # NIXL's UCX worker threads (vLLM's NixlConnector reads this key too)
 }
 
 
@@ -44,6 +45,7 @@ class BridgeOptions:
     request_timeout_s: float = 60.0
     handshake_timeout_s: float = 10.0
     peer_timeout_s: float = 5.0
+    num_threads: int | None = None  # None: dsa-bridge's default (transfer/backends/nixl.py)
 
     @staticmethod
     def parse(extra: dict[str, Any] | None, *, producer: bool) -> BridgeOptions:
@@ -71,7 +73,23 @@ class BridgeOptions:
                              "(kv_producer / kv_both): TP rank r listens on port + r")
         timeouts = {key: _number(key, values[key])
                     for key in ("request_timeout_s", "handshake_timeout_s", "peer_timeout_s")}
-        return BridgeOptions(values["engine"], values["checksums"], values["host"], port, **timeouts)
+        threads = values["num_threads"]
+        if threads is not None:
+            if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+                raise ValueError("kv_connector_extra_config['num_threads'] must be a whole number "
+                                 f">= 0, got {threads!r}")
+            if values["engine"] != "nixl":
+                raise ValueError("kv_connector_extra_config['num_threads'] is NIXL's (engine "
+                                 f"'nixl'): engine {values['engine']!r} has no worker threads")
+        return BridgeOptions(values["engine"], values["checksums"], values["host"], port,
+                             **timeouts, num_threads=threads)
+
+    def backend_options(self) -> dict[str, Any]:
+        """What ``create_backend`` takes besides the engine and host: NIXL's UCX parameters where
+        ``num_threads`` was given."""
+        if self.num_threads is None:
+            return {}
+        return {"backend_params": {"num_threads": str(self.num_threads)}}
 
     def endpoint(self, rank: int) -> str:
         """The control endpoint prefill TP rank ``rank`` listens on."""

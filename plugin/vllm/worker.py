@@ -72,7 +72,8 @@ class BridgeWorker:
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         self.pool = VllmCaches(kv_caches, **self.geometry)
-        self.engine = SharedEngine(create_backend(self.options.engine, host=self.options.host))
+        self.engine = SharedEngine(create_backend(self.options.engine, host=self.options.host,
+                                                   **self.options.backend_options()))
         if self.producer:
             try:
                 self.prefill = PrefillNode(

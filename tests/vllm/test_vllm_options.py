@@ -14,6 +14,9 @@ from dsa_bridge.plugin.vllm.options import (
     SourceRanks,
     tp_position,
 )
+from dsa_bridge.transfer.backends import create_backend
+
+from ..conftest import require_engine
 
 GEOMETRY = dict(page_size=64, kv_lora_rank=512, rope_dim=64, index_head_dim=128)
 
@@ -43,6 +46,25 @@ def test_options_defaults_and_refusals_by_key():
             BridgeOptions.parse(extra, producer=False)
     with pytest.raises(ValueError, match="'port'] is required on a prefill"):
         BridgeOptions.parse({}, producer=True)
+
+
+def test_nixls_worker_threads_are_set_by_the_key_vllms_own_connector_reads():
+    """``num_threads``, as in vLLM's NixlConnector: NIXL's UCX worker threads (fewer saves a
+    Mellanox NIC's UARs); unset, dsa-bridge's default; Mooncake has none, so it is refused there."""
+    assert BridgeOptions.parse({"engine": "nixl"}, producer=False).backend_options() == {}
+    options = BridgeOptions.parse({"engine": "nixl", "num_threads": 0}, producer=False)
+    assert options.backend_options() == {"backend_params": {"num_threads": "0"}}
+    for value in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"\['num_threads'\] must be a whole number >= 0"):
+            BridgeOptions.parse({"engine": "nixl", "num_threads": value}, producer=False)
+    with pytest.raises(ValueError, match="'num_threads'] is NIXL's"):
+        BridgeOptions.parse({"num_threads": 4}, producer=False)
+    require_engine("nixl")
+    backend = create_backend("nixl", **options.backend_options())
+    try:
+        assert backend._agent.get_backend_params("UCX")["num_threads"] == "0"
+    finally:
+        backend.close()
 
 
 def test_the_prefill_answer_round_trips_and_is_refused_by_key():

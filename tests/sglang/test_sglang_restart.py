@@ -56,7 +56,7 @@ class Rank:
                 pass
         except queue.Empty:
             raise AssertionError(f"{word!r} not printed within {timeout_s}s:\n"
-                                 f"{''.join(self.err)[-3000:]}") from None
+                                 f"{''.join(self.err)[-6000:]}") from None
 
     def result(self, timeout_s: float) -> list[dict]:
         """Wait for the process to end by itself; its RESULT line."""

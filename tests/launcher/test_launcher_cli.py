@@ -298,3 +298,34 @@ def test_demo_is_quiet_and_separates_transfer_from_filling(backend):
 def test_quarantine_timeout_reaches_the_decode_options():
     assert cli.build_parser().parse_args([*DECODE]).quarantine_timeout == 600.0
     assert cli.build_parser().parse_args([*DECODE, "--quarantine-timeout", "30"]).quarantine_timeout == 30.0
+
+
+def test_fixed_ports_inside_mooncakes_listener_range_are_warned_about(monkeypatch):
+    """A Mooncake engine anywhere on the host listens on random ports of 15000-17000 (or the
+    range its environment sets) and can take a port an operator fixed, while its server
+    restarts: each such port is named, with the option that fixed it."""
+    monkeypatch.delenv("MC_MIN_RPC_PORT", raising=False)
+    monkeypatch.delenv("MC_MAX_RPC_PORT", raising=False)
+    parse = cli.build_parser().parse_args
+    warned = options.fixed_port_warnings(parse(["prefill", "--listen", "127.0.0.1:16500",
+                                                "--metrics-port", "15000"]))
+    assert [w.split(":")[0] for w in warned] == ["--listen 127.0.0.1", "--metrics-port 15000"]
+    assert all("15000-17000" in w and "MC_MIN_RPC_PORT" in w for w in warned)
+    assert options.fixed_port_warnings(parse(["prefill", "--listen", "127.0.0.1:0"])) == []
+    assert options.fixed_port_warnings(parse([*DECODE, "--metrics-port", "17001"])) == []
+    assert len(options.fixed_port_warnings(parse([*DECODE, "--metrics-port", "17000"]))) == 1
+    monkeypatch.setenv("MC_MIN_RPC_PORT", "20000")
+    monkeypatch.setenv("MC_MAX_RPC_PORT", "20099")
+    (warning,) = options.fixed_port_warnings(parse([*DECODE, "--metrics-port", "20099"]))
+    assert "20000-20099" in warning
+    assert len(options.fixed_port_warnings(parse([*DECODE, "--metrics-port", "16000"]))) == 1
+
+
+def test_a_fixed_port_warning_is_printed_before_the_node_starts(capsys, nothing_allocated,
+                                                                monkeypatch):
+    monkeypatch.delenv("MC_MIN_RPC_PORT", raising=False)
+    monkeypatch.setattr(cli, "stop_on_signals", threading.Event)  # keep pytest's own handlers
+    with pytest.raises(Allocated):
+        main(["prefill", "--listen", "127.0.0.1:16500"])
+    err = capsys.readouterr().err
+    assert err.startswith("dsa-bridge prefill: warning: --listen 127.0.0.1:16500: ")

@@ -353,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     except options.OptionError as exc:
         print(f"dsa-bridge {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    for warning in options.fixed_port_warnings(args):
+        print(f"dsa-bridge {args.command}: warning: {warning}", file=sys.stderr)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     commands = {"pool": cmd_pool, "prefill": cmd_prefill, "decode": cmd_decode, "demo": run_demo,

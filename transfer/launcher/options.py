@@ -4,7 +4,8 @@ One argparse ``type=`` function per kind of value (``positive_int``, ``timeout_s
 ``listen_endpoint``, ...): argparse names the option in its message. ``check_options`` then runs
 the checks that need several options at once (pool size against page size and memory, the model
 config, the listener's secret, Mooncake's IPv4) and raises ``OptionError`` naming the option.
-``Parser`` prints every error on one line; either way the exit code is 2.
+``Parser`` prints every error on one line; either way the exit code is 2. ``fixed_port_warnings``
+names the ports that options fix inside Mooncake's listener range (warned about, not refused).
 
 Host names are resolved here, once, to a numeric address (IPv4 first: Mooncake takes nothing
 else), so the engines and the control plane only ever see numbers.
@@ -27,6 +28,7 @@ MAX_REQUESTS = 1_000_000  # request lengths are drawn up front, one int64 each
 MAX_LAYERS = 4096  # a layout holds one id per layer; real models have fewer than 200
 MIN_QUARANTINE_S = 2.0  # decode's proof that a prefill's process is gone takes 1 s of refusals
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MOONCAKE_PORTS = (15000, 17000)  # Mooncake's listeners' random ports unless MC_*_RPC_PORT say
 
 
 class OptionError(ValueError):
@@ -301,6 +303,30 @@ def check_options(args, make_layout) -> None:
             check_mooncake_ipv4(args, "--engine-host", args.engine_host)
         if args.rooms is not None:
             check_rooms(args)
+
+
+def fixed_port_warnings(args, env=os.environ) -> list[str]:
+    """One warning per port the options fix (prefill's ``--listen``, ``--metrics-port``) inside
+    Mooncake's listener range (its default, or the one ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``
+    set here): a Mooncake engine of any process on the host binds random ports there, and can
+    take such a port in the moment it is free, while its node restarts."""
+    ranges = [MOONCAKE_PORTS, (int(env.get("MC_MIN_RPC_PORT", MOONCAKE_PORTS[0])),
+                               int(env.get("MC_MAX_RPC_PORT", MOONCAKE_PORTS[1])))]
+    fixed = []
+    if getattr(args, "listen", None):
+        fixed.append((f"--listen {args.listen}", parse_endpoint(args.listen, "--listen")[1]))
+    if getattr(args, "metrics_port", 0):
+        fixed.append((f"--metrics-port {args.metrics_port}", args.metrics_port))
+    warnings = []
+    for option, port in fixed:
+        inside = [(low, high) for low, high in ranges if port and low <= port <= high]
+        if inside:
+            low, high = inside[-1]  # the environment's range where it holds the port
+            warnings.append(f"{option}: port {port} lies in Mooncake's listener range "
+                            f"{low}-{high} (MC_MIN_RPC_PORT-MC_MAX_RPC_PORT), where a Mooncake "
+                            "engine on this host may take it while this node restarts; choose a "
+                            "port outside it")
+    return warnings
 
 
 def check_rooms(args) -> None:

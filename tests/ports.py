@@ -20,9 +20,11 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
+from dsa_bridge.transfer.backends.environment import MOONCAKE_PORTS
+
 RECENT = 256  # ports this process handed out last, not handed out again
 _recent: collections.deque[int] = collections.deque(maxlen=RECENT)
-MOONCAKE_DEFAULT_PORTS = range(15000, 17001)  # Mooncake's listeners' range when not set
+MOONCAKE_DEFAULT_PORTS = range(MOONCAKE_PORTS[0], MOONCAKE_PORTS[1] + 1)  # when not set
 
 
 def mooncake_ports(env: dict | os._Environ = os.environ) -> list[range]:

@@ -88,6 +88,7 @@ from sglang.srt.utils.network import get_local_ip_auto
 
 from ...transfer import auth
 from ...transfer.backends import create_backend
+from ...transfer.backends.environment import mooncake_port_warning
 from ...transfer.counters import merge
 from ...transfer.memory_kinds import kind_of, pointer_info
 from ...transfer.plan import as_aux_buffers
@@ -249,6 +250,10 @@ class DSABridgeKVManager(BaseKVManager):
                     "the same secret on prefill and decode") from None
             self.node = self._prefill_node(f"{self.local_ip}:0")
             self.log_transport(self.node.backend)
+            clash = mooncake_port_warning("sglang's --disaggregation-bootstrap-port",
+                                          get_disagg().disaggregation_bootstrap_port)
+            if clash:
+                log.warning("dsa-bridge: %s", clash)
             self.register_to_bootstrap()
             if self.pp_size > 1:
                 self.stages.start(parallel.pp_group)

@@ -458,6 +458,30 @@ def test_the_transport_is_said_once_per_rank(monkeypatch, caplog):
             manager.shutdown()
 
 
+def test_a_bootstrap_port_in_mooncakes_listener_range_is_warned_about(monkeypatch, caplog):
+    """A Mooncake engine of any process on the host may take a port of its listener range while
+    the prefill server restarts: a prefill rank whose bootstrap port lies there says so (here the
+    range is set around the test's own port; NIXL, so that no Mooncake engine of this rank
+    binds in it)."""
+    require_engine("nixl")
+    monkeypatch.setenv("SGLANG_HOST_IP", "127.0.0.1")
+    with (bootstrap_server() as port,
+          published_context(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl",
+                            disaggregation_bootstrap_port=port, host="127.0.0.1") as sa):
+        monkeypatch.setenv("MC_MIN_RPC_PORT", str(port - 1))
+        monkeypatch.setenv("MC_MAX_RPC_PORT", str(port + 1))
+        with caplog.at_level(logging.WARNING, logger="dsa_bridge.plugin.sglang"):
+            manager = prefill_manager(sa)
+        try:
+            said = [r.getMessage() for r in caplog.records if "listener range" in r.getMessage()]
+            assert said == [f"dsa-bridge: sglang's --disaggregation-bootstrap-port: port {port} lies "
+                            f"in Mooncake's listener range {port - 1}-{port + 1} (MC_MIN_RPC_PORT-"
+                            "MC_MAX_RPC_PORT), where a Mooncake engine on this host may take it "
+                            "while its owner restarts; choose a port outside it"]
+        finally:
+            manager.shutdown()
+
+
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 def test_sglangs_own_connectors_serve_no_host_destination(backend):
     """docs/sglang.md's claim that host KV destinations are refused by sglang itself: neither of

@@ -3,7 +3,8 @@
 The RDMA devices and ports of this machine (from sysfs), the network interface that holds an IPv4
 address (from the kernel's interface list), and ``env_defaults``: the environment variables an
 engine reads at start-up, set for that start-up only. Both engine backends use them to choose
-their transport and to keep their listeners on the host's interface.
+their transport and to keep their listeners on the host's interface. ``mooncake_port_warning``:
+whether a port someone fixed lies where a Mooncake engine on this host may take it.
 """
 
 from __future__ import annotations
@@ -19,9 +20,26 @@ from collections.abc import Iterator
 from pathlib import Path
 
 _RDMA_SYSFS = Path("/sys/class/infiniband")
+MOONCAKE_PORTS = (15000, 17000)  # Mooncake's listeners' random ports unless MC_*_RPC_PORT say
 _ENV_LOCK = threading.Lock()
 _SIOCGIFCONF = 0x8912
 _IFREQ_BYTES = 40  # struct ifreq on 64-bit Linux: a 16-byte name, then a 24-byte union
+
+
+def mooncake_port_warning(what: str, port: int, env=os.environ) -> str | None:
+    """A warning naming ``what`` when ``port`` lies in Mooncake's listener range (its default, or
+    the one ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` set in ``env``), else None: a Mooncake engine
+    of any process on the host binds random ports there, and can take this one in the moment it
+    is free, while its owner restarts (which then cannot bind it)."""
+    ranges = [MOONCAKE_PORTS, (int(env.get("MC_MIN_RPC_PORT", MOONCAKE_PORTS[0])),
+                               int(env.get("MC_MAX_RPC_PORT", MOONCAKE_PORTS[1])))]
+    inside = [(low, high) for low, high in ranges if port and low <= port <= high]
+    if not inside:
+        return None
+    low, high = inside[-1]  # the environment's range where it holds the port
+    return (f"{what}: port {port} lies in Mooncake's listener range {low}-{high} "
+            "(MC_MIN_RPC_PORT-MC_MAX_RPC_PORT), where a Mooncake engine on this host may take it "
+            "while its owner restarts; choose a port outside it")
 
 
 def rdma_devices(device_filter: str = "") -> list[str]:

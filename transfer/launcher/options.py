@@ -22,13 +22,13 @@ import socket
 from pathlib import Path
 
 from .. import auth
+from ..backends.environment import mooncake_port_warning
 from ..control import parse_endpoint
 
 MAX_REQUESTS = 1_000_000  # request lengths are drawn up front, one int64 each
 MAX_LAYERS = 4096  # a layout holds one id per layer; real models have fewer than 200
 MIN_QUARANTINE_S = 2.0  # decode's proof that a prefill's process is gone takes 1 s of refusals
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-MOONCAKE_PORTS = (15000, 17000)  # Mooncake's listeners' random ports unless MC_*_RPC_PORT say
 
 
 class OptionError(ValueError):
@@ -307,26 +307,14 @@ def check_options(args, make_layout) -> None:
 
 def fixed_port_warnings(args, env=os.environ) -> list[str]:
     """One warning per port the options fix (prefill's ``--listen``, ``--metrics-port``) inside
-    Mooncake's listener range (its default, or the one ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``
-    set here): a Mooncake engine of any process on the host binds random ports there, and can
-    take such a port in the moment it is free, while its node restarts."""
-    ranges = [MOONCAKE_PORTS, (int(env.get("MC_MIN_RPC_PORT", MOONCAKE_PORTS[0])),
-                               int(env.get("MC_MAX_RPC_PORT", MOONCAKE_PORTS[1])))]
+    Mooncake's listener range (``mooncake_port_warning``)."""
     fixed = []
     if getattr(args, "listen", None):
         fixed.append((f"--listen {args.listen}", parse_endpoint(args.listen, "--listen")[1]))
     if getattr(args, "metrics_port", 0):
         fixed.append((f"--metrics-port {args.metrics_port}", args.metrics_port))
-    warnings = []
-    for option, port in fixed:
-        inside = [(low, high) for low, high in ranges if port and low <= port <= high]
-        if inside:
-            low, high = inside[-1]  # the environment's range where it holds the port
-            warnings.append(f"{option}: port {port} lies in Mooncake's listener range "
-                            f"{low}-{high} (MC_MIN_RPC_PORT-MC_MAX_RPC_PORT), where a Mooncake "
-                            "engine on this host may take it while this node restarts; choose a "
-                            "port outside it")
-    return warnings
+    warnings = (mooncake_port_warning(option, port, env) for option, port in fixed)
+    return [warning for warning in warnings if warning]
 
 
 def check_rooms(args) -> None:

@@ -2,8 +2,9 @@
 Mooncake's listener range, so that no socket bound meanwhile by a library's own choice (gloo, the
 engines and HTTP clients on port 0; a Mooncake engine on a random port of
 ``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT``, 15000-17000 by default; another test's processes) can
-take one between the choice and its use. (A Mooncake engine of another test took a restarted
-prefill's bootstrap port in the moment it was free, and that prefill never registered.)
+take one between the choice and its use. (The likely cause of a CI failure: a restarted
+prefill's bootstrap port, in Mooncake's range, never answered again while another test's engines
+were starting.)
 
 Each test process of a parallel run (pytest-xdist's ``gwN`` of ``PYTEST_XDIST_WORKER_COUNT``)
 chooses in its own share of those ports, and never hands out a port it chose recently: two tests
@@ -20,19 +21,16 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
-from dsa_bridge.transfer.backends.environment import MOONCAKE_PORTS
+from dsa_bridge.transfer.backends.environment import mooncake_port_ranges
 
 RECENT = 256  # ports this process handed out last, not handed out again
 _recent: collections.deque[int] = collections.deque(maxlen=RECENT)
-MOONCAKE_DEFAULT_PORTS = range(MOONCAKE_PORTS[0], MOONCAKE_PORTS[1] + 1)  # when not set
 
 
 def mooncake_ports(env: dict | os._Environ = os.environ) -> list[range]:
-    """The ports a Mooncake engine may listen on: its default range, and the one ``env`` sets
-    (a test may narrow it for its own processes)."""
-    low = int(env.get("MC_MIN_RPC_PORT", MOONCAKE_DEFAULT_PORTS.start))
-    high = int(env.get("MC_MAX_RPC_PORT", MOONCAKE_DEFAULT_PORTS.stop - 1))
-    return [MOONCAKE_DEFAULT_PORTS, range(low, high + 1)]
+    """The ports a Mooncake engine may listen on (``mooncake_port_ranges``: its default range,
+    and the one ``env`` sets; a test may narrow it for its own processes)."""
+    return [range(low, high + 1) for low, high in mooncake_port_ranges(env)]
 
 
 def candidate_ports(ephemeral_low: int, avoided: list[range]) -> list[int]:

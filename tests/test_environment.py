@@ -63,7 +63,7 @@ def test_parallel_test_processes_choose_ports_from_disjoint_shares(monkeypatch):
 def test_no_test_chooses_a_port_a_mooncake_engine_may_take(monkeypatch):
     """A Mooncake engine listens on random ports of 15000-17000 (or the range its environment
     sets); a port a test chose there could be taken by another test's engine in the moment it is
-    free (a restarted prefill's bootstrap port was, in CI). No share holds one of them."""
+    free (the likely cause of a CI failure of the restart test). No share holds one of them."""
     from tests.ports import candidate_ports, mooncake_ports, own_share, port_share
 
     monkeypatch.setenv("MC_MIN_RPC_PORT", "17500")

@@ -26,14 +26,19 @@ _SIOCGIFCONF = 0x8912
 _IFREQ_BYTES = 40  # struct ifreq on 64-bit Linux: a 16-byte name, then a 24-byte union
 
 
+def mooncake_port_ranges(env=os.environ) -> list[tuple[int, int]]:
+    """Where a Mooncake engine's listeners may bind (bounds included): its default range, then
+    the one ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` set in ``env`` (the default where unset)."""
+    return [MOONCAKE_PORTS, (int(env.get("MC_MIN_RPC_PORT", MOONCAKE_PORTS[0])),
+                             int(env.get("MC_MAX_RPC_PORT", MOONCAKE_PORTS[1])))]
+
+
 def mooncake_port_warning(what: str, port: int, env=os.environ) -> str | None:
-    """A warning naming ``what`` when ``port`` lies in Mooncake's listener range (its default, or
-    the one ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` set in ``env``), else None: a Mooncake engine
-    of any process on the host binds random ports there, and can take this one in the moment it
-    is free, while its owner restarts (which then cannot bind it)."""
-    ranges = [MOONCAKE_PORTS, (int(env.get("MC_MIN_RPC_PORT", MOONCAKE_PORTS[0])),
-                               int(env.get("MC_MAX_RPC_PORT", MOONCAKE_PORTS[1])))]
-    inside = [(low, high) for low, high in ranges if port and low <= port <= high]
+    """A warning naming ``what`` when ``port`` lies in Mooncake's listener range
+    (``mooncake_port_ranges``), else None: a Mooncake engine of any process on the host binds
+    random ports there, and can take this one in the moment it is free, while its owner
+    restarts (which then cannot bind it)."""
+    inside = [(low, high) for low, high in mooncake_port_ranges(env) if port and low <= port <= high]
     if not inside:
         return None
     low, high = inside[-1]  # the environment's range where it holds the port

@@ -1,14 +1,18 @@
-"""Peers coming and going: ``disconnect`` leaves no connection behind, and Mooncake's first contact
-with an engine endpoint that never answers no longer stalls the engine's other peers."""
+"""Peers coming and going: ``disconnect`` leaves no connection behind, a process may end right
+after one, and Mooncake's first contact with an engine endpoint that never answers no longer
+stalls the engine's other peers."""
 
 from __future__ import annotations
 
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from itertools import pairwise
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +27,7 @@ from .peer import SENTINEL, Peer, start_peer
 from .sockets import TcpSocket, listeners, tcp_sockets
 
 U64 = np.uint64
+ROOT = Path(__file__).resolve().parents[2]
 LANE_SPREAD = 16  # entries per write: enough for Mooncake to use all its TCP lanes to the peer
 
 
@@ -102,6 +107,18 @@ def test_nixl_wakes_its_worker_threads_five_times_after_a_disconnect(local, peer
     unthreaded = create_backend("nixl", backend_params={"num_threads": "0"})
     assert unthreaded._wake is None  # nothing to wake
     unthreaded.close()
+
+
+@pytest.mark.parametrize("mode", ["close", "exit"])
+def test_a_process_ends_cleanly_right_after_a_mooncake_disconnect(mode: str) -> None:
+    """A prefill whose decode went silent just before it was stopped disconnects and ends at
+    once, with or without ``close()``; the disconnect's reads must not take the process down
+    with them (it died of SIGABRT, "terminate called without an active exception", 19 of 20
+    times before ``close()`` and an exit hook waited for them)."""
+    require_engine("mooncake")
+    done = subprocess.run([sys.executable, "-m", "tests.backends.exit_after_disconnect", mode],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, "terminate called" in done.stderr) == (0, False), done.stderr[-3000:]
 
 
 def test_a_disconnected_live_peer_can_connect_again(connected) -> None:
